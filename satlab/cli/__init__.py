@@ -1,0 +1,1 @@
+"""Command-line entry points. Kept free of heavy imports so `--help` is instant."""

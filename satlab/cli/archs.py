@@ -1,0 +1,67 @@
+"""`satlab archs`: every architecture and variant with its parameter count at a chosen size."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from rich.console import Console
+from rich.table import Table
+
+from satlab.config.model import GATE_FUNCTIONS, GATE_GRANULARITIES, SIZE_PRESETS
+
+# (label, model-config overrides) for every registered architecture and its named variants.
+VARIANTS: list[tuple[str, dict]] = [
+    ("transformer", dict(arch="transformer")),
+    ("resformer", dict(arch="resformer")),
+    ("resformer fixed", dict(arch="resformer", resformer=dict(mode="fixed"))),
+    *[
+        (f"satformer {g} {f}", dict(arch="satformer", satformer=dict(gate_granularity=g, gate_fn=f)))
+        for g, f in itertools.product(GATE_GRANULARITIES, GATE_FUNCTIONS)
+    ],
+    ("satformer last_k=2", dict(arch="satformer", satformer=dict(last_k=2))),
+    ("denseformer", dict(arch="denseformer")),
+    ("denseformer dilation=2 period=2", dict(arch="denseformer", denseformer=dict(dilation=2, period=2))),
+    ("hyperconnections n=4", dict(arch="hyperconnections")),
+    ("muddformer", dict(arch="muddformer")),
+    ("muddformer ffn_realloc", dict(arch="muddformer", muddformer=dict(ffn_realloc=True))),
+]
+
+
+def archs_table(size: str, seq_len: int | None = None, all_functions: bool = False) -> Table:
+    """A rich table of parameter counts (built on the meta device: no memory is allocated)."""
+    from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
+
+    table = Table(title=f"satlab architectures at size '{size}'")
+    for column in ("architecture / variant", "params", "non-embedding", "vs transformer", "GFLOPs/token"):
+        table.add_column(column, justify="left" if column.startswith("arch") else "right", no_wrap=True)
+    base = None
+    for label, overrides in VARIANTS:
+        gate_fn = overrides.get("satformer", {}).get("gate_fn", "relu")
+        if not all_functions and gate_fn != "relu":
+            continue
+        model = build_model(dict(size=size, **overrides), device="meta")
+        total = count_params(model)
+        base = base or total
+        seq = seq_len or model.cfg.max_seq_len
+        table.add_row(label, f"{total:,}", f"{non_embedding_params(model):,}", f"{100 * (total / base - 1):+.3f} %",
+                      f"{flops_per_token(model, seq) / 1e9:.4f}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="satlab archs", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", default="tiny", choices=list(SIZE_PRESETS), help="size preset (default: tiny)")
+    parser.add_argument("--seq-len", type=int, default=None, help="context length for FLOPs (default: the preset's)")
+    parser.add_argument("--all-gate-functions", action="store_true",
+                        help="list every SATFormer granularity x gate function (default: relu only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    Console().print(archs_table(args.size, args.seq_len, args.all_gate_functions))
+    return 0

@@ -1,0 +1,55 @@
+"""`satlab <command>`: the one console script. Each command's module is imported only when it runs, so `--help`
+stays instant (importing Lightning alone takes about ten seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# command -> (module under satlab.cli, one-line help)
+COMMANDS = {
+    "archs": ("archs", "list every architecture and variant with parameter counts"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="satlab", description="satlab: a lab bench for SATFormer and its baselines")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.set_defaults(_module=module)
+        _add_arguments(module, command)
+    return parser
+
+
+def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+    """Arguments are declared by each command module; light modules are imported here, heavy ones declare theirs
+    in a separate `*_args` module."""
+    args_module = importlib.import_module(f"satlab.cli.{module}_args" if _has_args_module(module) else
+                                          f"satlab.cli.{module}")
+    args_module.add_arguments(parser)
+
+
+def _has_args_module(module: str) -> bool:
+    return importlib.util.find_spec(f"satlab.cli.{module}_args") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from satlab.config.errors import ConfigError
+
+    try:
+        return importlib.import_module(f"satlab.cli.{args._module}").run(args)
+    except ConfigError as error:
+        print(f"satlab {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

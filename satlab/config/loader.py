@@ -1,0 +1,302 @@
+"""Load an experiment: structured defaults <- preset chain (``base:``) <- command-line overrides, then validate.
+
+Every layer is a plain dict that is merged into the structured :class:`ExperimentConfig` one leaf at a time, so
+that an unknown key or a wrong type in one place does not hide the next: all problems end up in one
+:class:`ConfigError`, each prefixed with the file or override it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from operator import attrgetter
+from pathlib import Path
+from types import UnionType
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from satlab.config.errors import ConfigError, did_you_mean, unknown_name
+from satlab.config.model import resolve_model_config
+from satlab.config.schema import (
+    PRECISIONS,
+    RESUME_MODES,
+    SOURCE_KINDS,
+    STRATEGIES,
+    TOKENIZER_KINDS,
+    ExperimentConfig,
+)
+
+ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
+PRESET_SUFFIX = ".yaml"
+
+# A layer is (where it came from, its plain nested dict).
+Layer = tuple[str, Mapping[str, Any]]
+
+_POSITIVE = (
+    "optim.lr", "optim.eps", "optim.gate_lr_multiplier", "data.seq_len", "data.tokenizer.vocab_size",
+    "data.hub_max_documents", "train.max_tokens", "train.global_batch_tokens", "train.micro_batch_size",
+    "train.devices", "train.num_nodes", "train.val_every_tokens", "train.val_tokens", "train.ckpt_every_tokens",
+    "train.log_every_n_steps", "train.max_time_minutes", "eval.every_tokens",
+)
+_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "optim.warmup_tokens", "data.num_workers", "train.keep_last_k")
+_FRACTIONS = ("optim.warmup_fraction", "data.val_fraction")  # in [0, 1)
+_CHOICES = {
+    "data.tokenizer.kind": TOKENIZER_KINDS,
+    "data.source_kind": SOURCE_KINDS,
+    "train.precision": PRECISIONS,
+    "train.strategy": STRATEGIES,
+    "train.resume": RESUME_MODES,
+}
+
+
+def default_experiments_dir() -> Path:
+    """``$SATLAB_EXPERIMENTS_DIR``, else the repository's ``experiments/`` (found from the package, so any cwd
+    works), else ``./experiments`` for an installed package."""
+    if os.environ.get(ENV_EXPERIMENTS_DIR):
+        return Path(os.environ[ENV_EXPERIMENTS_DIR]).expanduser()
+    repo_dir = Path(__file__).resolve().parents[2] / "experiments"
+    return repo_dir if repo_dir.is_dir() else Path.cwd() / "experiments"
+
+
+def list_experiments(experiments_dir: Path | None = None) -> list[str]:
+    """Preset names (``default``, ``tiny/satformer``, ...): every ``*.yaml`` under the experiments folder."""
+    root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob(f"*{PRESET_SUFFIX}"))
+
+
+def load_experiment(
+    experiment: str | Path = "default",
+    overrides: Sequence[str] = (),
+    experiments_dir: Path | None = None,
+) -> ExperimentConfig:
+    """The validated config of a preset name (``tiny/transformer``) or a YAML file, with ``key=value`` overrides.
+
+    Precedence, lowest first: dataclass defaults, the ``base:`` chain from its root, the file itself, overrides.
+    The model config is resolved (size preset filled in). Raises :class:`ConfigError` listing every problem.
+    """
+    root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
+    problems: list[str] = []
+    path = _experiment_path(experiment, root)
+    layers = _preset_chain(path, root, problems)
+    layers += _override_layers(overrides, problems)
+    return _build(layers, problems)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ExperimentConfig:
+    """A validated, resolved config from one plain nested dict (for example a saved config)."""
+    return _build([(source, data)], [])
+
+
+def _experiment_path(experiment: str | Path, root: Path) -> Path:
+    as_path = Path(experiment)
+    if isinstance(experiment, Path) or as_path.suffix in (".yaml", ".yml") or as_path.is_file():
+        if not as_path.is_file():
+            raise ConfigError(f"experiment file not found: {experiment}")
+        return as_path
+    path = root / f"{experiment}{PRESET_SUFFIX}"
+    if not path.is_file():
+        available = list_experiments(root) if root.is_dir() else []
+        hint = f" in {root}" if available else f"; no presets found in {root} (set ${ENV_EXPERIMENTS_DIR}?)"
+        raise ConfigError(unknown_name("experiment preset", str(experiment), available) + hint)
+    return path
+
+
+def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
+    """The layers of ``path`` and its ``base:`` ancestors, root first. A broken link ends the chain (reported)."""
+    layers: list[Layer] = []
+    seen: list[Path] = []
+    current: Path | None = path
+    while current is not None:
+        resolved = current.resolve()
+        if resolved in seen:
+            cycle = " -> ".join(_label(p) for p in [*seen, resolved])
+            problems.append(f"cycle in 'base:' chain: {cycle}")
+            break
+        seen.append(resolved)
+        data = _read_yaml(current, problems)
+        if data is None:
+            break
+        base = data.pop("base", None)
+        layers.append((_label(current), data))
+        current = None if base is None else _base_path(base, current, root, problems)
+    return layers[::-1]
+
+
+def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path | None:
+    """``./x`` and ``../x`` are relative to the file that names them; a bare name is a preset under ``root``."""
+    if not isinstance(base, str) or not base:
+        problems.append(f"{_label(child)}: 'base' must be a preset name or a relative path, got {base!r}")
+        return None
+    name = base if base.endswith((".yaml", ".yml")) else f"{base}{PRESET_SUFFIX}"
+    relative = base.startswith(("./", "../")) or Path(base).is_absolute()
+    path = (child.parent / name) if relative else (root / name)
+    if not path.is_file():
+        available = list_experiments(root) if root.is_dir() else []
+        problems.append(f"{_label(child)}: base {unknown_name('preset', base, available)} (looked for {path})")
+        return None
+    return path
+
+
+def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    try:
+        loaded = OmegaConf.load(path)
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        problems.append(f"{_label(path)}: cannot read YAML: {' '.join(str(e).split())}")
+        return None
+    if not OmegaConf.is_dict(loaded):
+        problems.append(f"{_label(path)}: expected a mapping of keys at the top level")
+        return None
+    return typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
+
+
+def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Layer]:
+    """One layer per ``key=value`` override, parsed with OmegaConf's dotlist (YAML values: ``1e-3``, ``[a, b]``)."""
+    layers: list[Layer] = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip() or "" in key.split("."):
+            problems.append(f"malformed override '{item}': expected key=value, e.g. optim.lr=1e-3")
+            continue
+        try:
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            problems.append(f"malformed override '{item}': {' '.join(str(e).split())}")
+            continue
+        layers.append((f"override '{item}'", typing.cast(dict[str, Any], parsed)))
+    return layers
+
+
+def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:
+    """Merge the layers into the structured defaults, validate the result, raise if anything was wrong."""
+    merged = OmegaConf.structured(ExperimentConfig)
+    for source, data in layers:
+        _merge(merged, ExperimentConfig, data, "", source, problems)
+    try:
+        cfg = typing.cast(ExperimentConfig, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as e:
+        raise ConfigError([*problems, _first_line(e)]) from None
+    cfg = _resolve_model(cfg, problems)
+    problems.extend(_value_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _merge(node: Any, cls: type, data: Mapping[str, Any], prefix: str, source: str, problems: list[str]) -> None:
+    """Assign ``data`` into ``node`` (a structured section of dataclass ``cls``) leaf by leaf, collecting errors."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        full_key = f"{prefix}{key}"
+        if key not in hints:
+            hint = did_you_mean(key, hints) or f"; valid: {', '.join(hints)}"
+            problems.append(f"{source}: unknown key '{full_key}'{hint}")
+            continue
+        expected = hints[key]
+        if dataclasses.is_dataclass(expected):
+            if value is None:
+                continue
+            if isinstance(value, Mapping):
+                _merge(node[key], typing.cast(type, expected), value, f"{full_key}.", source, problems)
+            else:
+                problems.append(f"{source}: '{full_key}' is a section ({', '.join(typing.get_type_hints(expected))})"
+                                f", got {value!r}")
+            continue
+        try:
+            node[key] = _exact_int(value) if _accepts_int(expected) else value
+        except OmegaConfBaseException as e:
+            problems.append(f"{source}: {full_key}: {_first_line(e)} (expected {_type_name(expected)})")
+
+
+def _resolve_model(cfg: ExperimentConfig, problems: list[str]) -> ExperimentConfig:
+    try:
+        return dataclasses.replace(cfg, model=resolve_model_config(cfg.model))
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return cfg
+
+
+def _value_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
+    problems = []
+    for key in _POSITIVE:
+        value = attrgetter(key)(cfg)
+        if value is not None and value <= 0:
+            problems.append(f"{key} must be > 0, got {value!r}")
+    for key in _NON_NEGATIVE:
+        value = attrgetter(key)(cfg)
+        if value is not None and value < 0:
+            problems.append(f"{key} must be >= 0, got {value!r}")
+    for key in _FRACTIONS:
+        value = attrgetter(key)(cfg)
+        if not 0 <= value < 1:
+            problems.append(f"{key} must be in [0, 1), got {value!r}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio!r}")
+    if not all(0 <= b < 1 for b in cfg.optim.betas):
+        problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
+    for key, valid in _CHOICES.items():
+        value = attrgetter(key)(cfg)
+        if value not in valid:
+            problems.append(unknown_name(key, value, valid))
+    if cfg.data.tokenizer.kind == "hub" and not cfg.data.tokenizer.name:
+        problems.append("data.tokenizer.name is required when data.tokenizer.kind is 'hub'")
+    max_seq_len = cfg.model.max_seq_len
+    if max_seq_len is not None and cfg.data.seq_len > max_seq_len:
+        problems.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={max_seq_len} (the RoPE table)")
+    train = cfg.train
+    problems.extend(batch_problems(train.global_batch_tokens, train.micro_batch_size, cfg.data.seq_len,
+                                   train.devices * train.num_nodes))
+    return problems
+
+
+def batch_problems(global_batch_tokens: int, micro_batch_size: int, seq_len: int, world_size: int) -> list[str]:
+    """The global batch must be a whole number of micro-batches on every rank (for gradient accumulation)."""
+    unit = micro_batch_size * seq_len * world_size
+    if min(global_batch_tokens, micro_batch_size, seq_len, world_size) <= 0 or global_batch_tokens % unit == 0:
+        return []
+    lower = max(unit, global_batch_tokens // unit * unit)
+    return [
+        f"train.global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size*seq_len*world_size"
+        f" = {micro_batch_size}*{seq_len}*{world_size} = {unit}; nearest valid: {lower} or {lower + unit}"
+    ]
+
+
+def _accepts_int(hint: Any) -> bool:
+    if typing.get_origin(hint) in (typing.Union, UnionType):
+        return int in typing.get_args(hint)
+    return hint is int
+
+
+def _exact_int(value: Any) -> Any:
+    """``1e6`` (a YAML float) or ``"1.5e6"`` as an int when it is a whole number; anything else unchanged, so
+    that OmegaConf reports it."""
+    if isinstance(value, bool) or not isinstance(value, float | str):
+        return value
+    try:
+        number = Decimal(value) if isinstance(value, str) else Decimal(repr(value))
+    except InvalidOperation:
+        return value
+    return int(number) if number.is_finite() and number == number.to_integral_value() else value
+
+
+def _type_name(hint: Any) -> str:
+    plain_class = isinstance(hint, type) and typing.get_origin(hint) is None
+    return hint.__name__ if plain_class else str(hint).replace("typing.", "")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _label(path: Path) -> str:
+    """A short name for messages: relative to the working directory when possible."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,119 @@
+"""The experiment configuration: one typed dataclass per component, combined in :class:`ExperimentConfig`.
+
+Budgets are in tokens; optimizer steps and gradient accumulation are derived (see ``satlab.config.derived``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from satlab.config.model import ModelConfig
+
+TOKENIZER_KINDS = ("byte", "bpe", "hub")
+SOURCE_KINDS = ("auto", "corpus", "files", "hub")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
+RESUME_MODES = ("auto", "never")
+
+
+@dataclass
+class TokenizerConfig:
+    """``byte``: 256 byte ids + specials; ``bpe``: trained locally on the training split with HF ``tokenizers`` and
+    cached; ``hub``: a pretrained tokenizer by name (needs the network the first time)."""
+
+    kind: str = "bpe"
+    vocab_size: int = 8192
+    name: str | None = None
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from and how it is cut into training sequences.
+
+    ``source`` is an embedded corpus name (``shakespeare``, ``kjv``, ``pystdlib``), a local file, folder or glob
+    (text, jsonl or parquet), or a Hugging Face hub dataset name; ``source_kind: auto`` decides in that order.
+    """
+
+    source: str = "shakespeare"
+    source_kind: str = "auto"
+    text_field: str = "text"
+    hub_config: str | None = None
+    hub_split: str = "train"
+    hub_max_documents: int | None = None
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    cache_dir: str = ".cache/satlab"
+    num_workers: int = 0
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio`` × ``lr``.
+
+    Weight decay applies to matrices only (not norms, gains or static mixing weights) unless ``decay_all`` is set,
+    which matches the reference code's decay-everything.
+    """
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_all: bool = False
+    warmup_fraction: float = 0.01
+    warmup_tokens: int | None = None
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    gate_lr_multiplier: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    max_tokens: int = 2_000_000
+    global_batch_tokens: int = 8192
+    micro_batch_size: int = 32
+    seed: int = 1337
+    precision: str = "32-true"
+    compile: bool = False
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    deterministic: bool = False
+    val_every_tokens: int = 250_000
+    val_tokens: int = 65_536
+    ckpt_every_tokens: int = 500_000
+    keep_last_k: int = 2
+    out_dir: str = "runs"
+    resume: str = "auto"
+    log_every_n_steps: int = 10
+    max_time_minutes: float | None = None
+
+
+@dataclass
+class EvalConfig:
+    every_tokens: int | None = None
+    at_end: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow. ``uri: null`` means ``$MLFLOW_TRACKING_URI`` or the project's sqlite store ``mlruns/mlflow.db``."""
+
+    enabled: bool = True
+    uri: str | None = None
+    artifact_dir: str | None = None
+    experiment: str | None = None
+    fallback_local: bool = False
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "default"
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)

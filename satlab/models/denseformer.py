@@ -1,0 +1,62 @@
+"""DenseFormer: a depth-weighted average (DWA) of all earlier block outputs after each block.
+
+Block i (1..L) consumes Y_{i-1} (Y_0 = X_0, the embedding) and outputs X_i; then Y_i = Σ_j a_{i,j} X_j over
+j ∈ {0..i} with j ≡ i (mod dilation), and only after every ``period``-th block (elsewhere Y_i = X_i). The weights
+start at a_{i,i} = 1, others 0, so the model starts as the Transformer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from satlab.models.streams import DepthContext, ResidualStream
+
+
+def dwa_sources(i: int, dilation: int) -> list[int]:
+    """Indices j of the block outputs that the DWA after block i averages (j ≡ i mod dilation)."""
+    return [j for j in range(i + 1) if (i - j) % dilation == 0]
+
+
+class DenseFormerStream(ResidualStream):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        opts = cfg.denseformer
+        self.dilation, self.period, self.n_layers = opts.dilation, opts.period, cfg.n_layers
+        self.dwa_layers = [i for i in range(1, cfg.n_layers + 1) if i % self.period == 0]
+        self.weights = nn.ParameterDict(
+            {str(i): nn.Parameter(torch.zeros(len(dwa_sources(i, self.dilation)))) for i in self.dwa_layers}
+        )
+        self.init_weights()
+
+    @property
+    def no_weight_decay_params(self) -> tuple[str, ...]:
+        return tuple(f"weights.{i}" for i in self.weights)
+
+    def init_weights(self) -> None:
+        for weight in self.weights.values():
+            nn.init.zeros_(weight)
+            weight.data[-1] = 1.0  # the last source is j = i: the block's own output
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        outputs = [x]
+        y = x
+        for i in range(1, len(ctx.blocks) + 1):
+            outputs.append(ctx.block(i - 1, y))
+            if str(i) not in self.weights:
+                y = outputs[-1]
+                continue
+            a = self.weights[str(i)]
+            sources = dwa_sources(i, self.dilation)
+            y = a[0] * outputs[sources[0]]
+            for m in range(1, len(sources)):
+                y = y + a[m] * outputs[sources[m]]
+        return y
+
+    def mixing_weights(self) -> dict[str, Tensor]:
+        """The DWA weights as an (L, L+1) matrix: row i-1 holds a_{i,j} (zero where no weight exists)."""
+        table = torch.zeros(self.n_layers, self.n_layers + 1)
+        for key, a in self.weights.items():
+            i = int(key)
+            table[i - 1, dwa_sources(i, self.dilation)] = a.detach().float().cpu()
+        return {"denseformer/dwa": table}

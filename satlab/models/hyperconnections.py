@@ -1,0 +1,107 @@
+"""Dynamic hyper-connections (Zhu et al., arXiv 2409.19606) with expansion n.
+
+The residual stream is n copies H (B, T, n, d), initialised to n copies of the embedding. Each sublayer (attention:
+module k = 2·layer, MLP: k = 2·layer + 1) reads h = A_mᵀH, computes o = F(RMSNorm(h)) and writes
+H <- β ⊗ o + A_rᵀH, where with H̄ = RMSNorm(H) per copy:
+A_m = e_{k mod n} + s_α·tanh(H̄ W_m), A_r = I_n + s_α·tanh(H̄ W_r), β = 1 + s_β·tanh(H̄ W_β).
+The static parts (e_k, I_n, 1) are learnable and take no weight decay.
+
+At the end the copies are summed and, as satlab's choice, divided by n before the final RMSNorm. RMSNorm is scale
+invariant, so this is the spec's sum except for the norm's eps; it makes the initial model exactly the Transformer
+(a plain sum would differ from it by eps·(1 - 1/n²)/mean(x²), about 1e-3 relative at init).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from satlab.models.layers import RMSNorm
+from satlab.models.streams import DepthContext, ResidualStream
+
+
+class HyperConnection(nn.Module):
+    no_weight_decay_params = ("static_m", "static_r", "static_beta", "s_alpha", "s_beta")
+
+    def __init__(self, d_model: int, n: int, k: int, eps: float):
+        super().__init__()
+        self.n, self.k = n, k
+        self.norm = RMSNorm(d_model, eps)
+        self.w_m = nn.Linear(d_model, 1, bias=False)
+        self.w_r = nn.Linear(d_model, n, bias=False)
+        self.w_beta = nn.Linear(d_model, 1, bias=False)
+        self.static_m = nn.Parameter(torch.empty(n))
+        self.static_r = nn.Parameter(torch.empty(n, n))
+        self.static_beta = nn.Parameter(torch.empty(n))
+        self.s_alpha = nn.Parameter(torch.empty(()))
+        self.s_beta = nn.Parameter(torch.empty(()))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        self.norm.init_weights()
+        for w in (self.w_m, self.w_r, self.w_beta):
+            nn.init.zeros_(w.weight)
+        if self.static_m.device.type == "meta":
+            return
+        with torch.no_grad():
+            self.static_m.copy_(F.one_hot(torch.tensor(self.k % self.n), self.n).float())
+            self.static_r.copy_(torch.eye(self.n))
+            self.static_beta.fill_(1.0)
+            self.s_alpha.fill_(0.01)
+            self.s_beta.fill_(0.01)
+
+    def read(self, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The sublayer input h = A_mᵀH, plus A_r and β for :meth:`write`."""
+        Hbar = self.norm(H)
+        a_m = self.static_m + self.s_alpha * torch.tanh(self.w_m(Hbar)).squeeze(-1)  # (B, T, n)
+        a_r = self.static_r + self.s_alpha * torch.tanh(self.w_r(Hbar))  # (B, T, n, n)
+        beta = self.static_beta + self.s_beta * torch.tanh(self.w_beta(Hbar)).squeeze(-1)  # (B, T, n)
+        h = torch.einsum("btn,btnd->btd", a_m, H)
+        return h, a_r, beta
+
+    @staticmethod
+    def write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
+        """H <- β ⊗ o + A_rᵀH."""
+        return beta.unsqueeze(-1) * o.unsqueeze(-2) + torch.einsum("btnm,btnd->btmd", a_r, H)
+
+
+class HyperConnectionStream(ResidualStream):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.n = cfg.hyperconnections.expansion
+        self.connections = nn.ModuleList(
+            HyperConnection(cfg.d_model, self.n, k, cfg.norm_eps) for k in range(2 * cfg.n_layers)
+        )
+
+    def init_weights(self) -> None:
+        for hc in self.connections:
+            hc.init_weights()
+
+    def output_init_std(self, std: float) -> float:
+        """o_proj and down_proj start with std / sqrt(n), as in the HC paper."""
+        return std / math.sqrt(self.n)
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        for i in range(len(ctx.blocks)):
+            attn_hc, mlp_hc = self.connections[2 * i], self.connections[2 * i + 1]
+            h, a_r, beta = attn_hc.read(H)
+            H = attn_hc.write(ctx.attend(i, h), H, a_r, beta)
+            h, a_r, beta = mlp_hc.read(H)
+            H = mlp_hc.write(ctx.feedforward(i, h), H, a_r, beta)
+        return H.sum(dim=-2) / self.n
+
+    def mixing_weights(self) -> dict[str, Tensor]:
+        """Static parts per sublayer: A_m's static row (2L, n), β's static part (2L, n), A_r's diagonal (2L, n)."""
+        return {
+            "hyperconnections/static_m": torch.stack([c.static_m.detach().float().cpu() for c in self.connections]),
+            "hyperconnections/static_beta": torch.stack(
+                [c.static_beta.detach().float().cpu() for c in self.connections]
+            ),
+            "hyperconnections/static_r_diag": torch.stack(
+                [c.static_r.detach().float().cpu().diagonal() for c in self.connections]
+            ),
+        }

@@ -1,0 +1,182 @@
+"""The shared backbone's parts: RMSNorm, RoPE, causal GQA attention with a pluggable value path, SwiGLU, block.
+
+Every architecture uses these unchanged. What differs between architectures is (a) how a layer forms its values
+(``value_path``, see ``value_paths.py``) and (b) how blocks are chained (the depth loop, see ``streams``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from satlab.models.cache import LayerKVCache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension; ``elementwise_affine=False`` gives the scale-free norm MUDD uses."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+    def init_weights(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+
+class Rotary(nn.Module):
+    """RoPE on the full head dim (rotate-half form), with cos/sin tables up to ``max_seq_len``."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        angles = torch.outer(torch.arange(self.max_seq_len, device=device).float(), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def tables(self, start: int, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin for positions [start, start + length), shaped (length, 1, head_dim) for (B, T, H, d_h)."""
+        if start + length > self.max_seq_len:
+            raise ValueError(
+                f"sequence position {start + length} exceeds model.max_seq_len={self.max_seq_len} (the RoPE table); "
+                "raise model.max_seq_len or shorten the sequence"
+            )
+        return self.cos[start : start + length, None, :], self.sin[start : start + length, None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionOutput(NamedTuple):
+    out: Tensor
+    v1: Tensor  # layer 0's raw values, handed on to later layers
+    gate: Tensor | None  # this layer's gate values (B, T, G, C), when its value path has a gate
+
+
+class Attention(nn.Module):
+    """Causal self-attention: bias-free q/k/v/o, QK-norm before RoPE, GQA, SDPA, KV cache.
+
+    Layer 0 records its raw value projection as V_1. A later layer with a ``value_path`` forms
+    ``V'_n = value_path(V_n, V_1, h_n)`` before attending; V'_n is what goes into the KV cache.
+    """
+
+    def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        d = cfg.d_model
+        self.q_proj = nn.Linear(d, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.value_path = value_path
+
+    def forward(
+        self,
+        hq: Tensor,
+        hk: Tensor,
+        hv: Tensor,
+        rope: tuple[Tensor, Tensor],
+        v1: Tensor | None,
+        v1_weight: Tensor | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> AttentionOutput:
+        B, T, _ = hq.shape
+        q = self.q_proj(hq).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(hk).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(hv).view(B, T, self.n_kv_heads, self.head_dim)
+        gate = None
+        if self.layer_idx == 0:
+            v1 = v
+        elif self.value_path is not None:
+            v, gate = self.value_path(v, v1, hq, v1_weight)
+        cos, sin = rope
+        q = apply_rotary(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rotary(self.k_norm(k), cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        mask, causal = None, True
+        if cache is not None:
+            start = cache.length
+            k, v = cache.append(k, v)
+            causal = start == 0 and T > 1
+            if start > 0 and T > 1:
+                positions = torch.arange(start + T, device=q.device)
+                mask = positions[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
+            elif T == 1:
+                causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return AttentionOutput(self.o_proj(y), v1, gate)
+
+
+class Block(nn.Module):
+    """Pre-norm block. ``attend`` and ``feedforward`` are the two sublayers without their residual add, so a depth
+    loop that is not a plain residual (hyper-connections, MUDD) can wire them its own way.
+
+    ``separate_kv_norms`` gives the key and value inputs their own RMSNorm (MUDDFormer feeds q, k and v from
+    different aggregates); otherwise one norm feeds all three.
+    """
+
+    def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None, mlp_hidden: int,
+                 separate_kv_norms: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm_k = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
+        self.attn_norm_v = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
+        self.attn = Attention(cfg, layer_idx, value_path)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, mlp_hidden)
+
+    def attend(self, xq: Tensor, rope, v1, v1_weight=None, cache=None, xk: Tensor | None = None,
+               xv: Tensor | None = None) -> AttentionOutput:
+        hq = self.attn_norm(xq)
+        hk = hq if xk is None else self.attn_norm_k(xk)
+        hv = hq if xv is None else self.attn_norm_v(xv)
+        return self.attn(hq, hk, hv, rope, v1, v1_weight, cache)
+
+    def feedforward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], v1: Tensor | None, v1_weight: Tensor | None = None,
+                cache: LayerKVCache | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Returns (block output, V_1, gate)."""
+        attn = self.attend(x, rope, v1, v1_weight, cache)
+        x = x + attn.out
+        return x + self.feedforward(x), attn.v1, attn.gate

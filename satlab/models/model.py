@@ -1,0 +1,126 @@
+"""The decoder-only language model every architecture shares: embedding, blocks chained by a depth loop, final
+RMSNorm, tied LM head, and KV-cached generation."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from satlab.models.cache import KVCache
+from satlab.models.layers import RMSNorm, Rotary
+from satlab.models.streams import DepthContext
+
+
+class ModelOutput(NamedTuple):
+    logits: Tensor
+    gates: list[Tensor | None] | None  # per layer, (B, T, G, C), when asked for with return_gates=True
+
+
+class DecoderLM(nn.Module):
+    """A language model assembled by :func:`satlab.models.build_model` from a registry entry.
+
+    ``value_paths[i]`` is layer i's value path (None: attend with V_i unchanged); ``value_shared`` computes
+    per-forward weights shared across layers (the learnable ResFormer); ``stream`` is the depth loop.
+    """
+
+    def __init__(self, cfg, stream: nn.Module, value_paths: list[nn.Module | None], value_shared: nn.Module | None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.stream = stream
+        self.blocks = nn.ModuleList(stream.make_block(cfg, i, value_paths[i]) for i in range(cfg.n_layers))
+        self.value_shared = value_shared
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The spec's init: every Linear and the embedding N(0, init_std), norms 1, then each variant part's own."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if hasattr(self.stream, "output_init_std"):
+            for block in self.blocks:
+                nn.init.normal_(block.attn.o_proj.weight, std=self.stream.output_init_std(std))
+                nn.init.normal_(block.mlp.down_proj.weight, std=self.stream.output_init_std(std))
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_weights"):
+                module.init_weights()
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed.weight  # tied
+
+    def forward(self, idx: Tensor, cache: KVCache | None = None, return_gates: bool = False) -> ModelOutput:
+        """Logits (B, T, vocab) for token ids (B, T); with a cache, ``idx`` continues the cached sequence."""
+        start = 0 if cache is None else cache.length
+        rope = self.rotary.tables(start, idx.shape[1])
+        v1_weights = self.value_shared() if self.value_shared is not None else None
+        ctx = DepthContext(self.blocks, rope, v1_weights, cache)
+        x = self.stream(self.embed(idx), ctx)
+        logits = nn.functional.linear(self.norm(x), self.lm_head_weight)
+        return ModelOutput(logits, ctx.gates if return_gates else None)
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        cfg = self.cfg
+        max_len = max_len or cfg.max_seq_len
+        param = self.embed.weight
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, param.device, param.dtype)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 eos_id: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Continue ``idx`` (B, T) by up to ``max_new_tokens`` with the KV cache; greedy when temperature is 0.
+
+        Stops early once every sequence has produced ``eos_id``. Returns (B, T + new) token ids.
+        """
+        cache = self.new_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
+        logits = self(idx, cache=cache).logits[:, -1]
+        out = [idx]
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, generator)
+            out.append(nxt)
+            if eos_id is not None:
+                finished |= nxt.squeeze(-1) == eos_id
+                if bool(finished.all()):
+                    break
+            logits = self(nxt, cache=cache).logits[:, -1]
+        return torch.cat(out, dim=1)
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters that the variant marks as static mixing weights (no weight decay)."""
+        names = set()
+        for prefix, module in self.named_modules():
+            for local in getattr(module, "no_weight_decay_params", ()):
+                names.add(f"{prefix}.{local}" if prefix else local)
+        return names
+
+    def mixing_weights(self) -> dict[str, Tensor]:
+        """Static depth/value mixing weights for plots: ResFormer λ, DenseFormer DWA, HC and MUDD static parts."""
+        weights = dict(self.stream.mixing_weights())
+        if self.value_shared is not None:
+            with torch.no_grad():
+                weights["resformer/lambda1"] = self.value_shared().detach().float().cpu()
+        lambda2 = [b.attn.value_path.lambda2 for b in self.blocks
+                   if getattr(b.attn.value_path, "lambda2", None) is not None]
+        if lambda2:
+            weights["resformer/lambda2"] = torch.stack([p.detach().float().cpu() for p in lambda2])
+        return weights
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    """One next token per row (B, 1) from last-position logits (B, vocab)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)

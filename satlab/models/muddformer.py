@@ -1,0 +1,105 @@
+"""MUDDFormer (Xiao et al., arXiv 2502.12170): multiway dynamic dense connections.
+
+After block i outputs X_i, a depth-aggregate (DA) module builds the next block's four inputs c ∈ {Q, K, V, R}
+from X_0..X_i per token: A = GELU(RMSNorm_noscale(X_i) W_1) W_2 + a, reshaped to C × (i+1), and
+X̄^c = Σ_j A[c, j]·X_j. The next block computes a = MHA(Norm_q(X̄^Q), Norm_k(X̄^K), Norm_v(X̄^V)) + X̄^R and
+X_{i+1} = a + MLP(Norm(a)). The last DA produces only R, which goes to the final norm.
+
+W_1: d -> K_i with K_i = 4(i+1) for every DA (the last one too; satlab's reading of the spec), init N(0, 1/d);
+W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from satlab.models.layers import Block, RMSNorm
+from satlab.models.streams import DepthContext, ResidualStream
+
+STREAMS = ("q", "k", "v", "r")
+
+
+class DepthAggregate(nn.Module):
+    no_weight_decay_params = ("static",)
+
+    def __init__(self, d_model: int, n_sources: int, n_outputs: int, eps: float):
+        super().__init__()
+        self.d_model, self.n_sources, self.n_outputs = d_model, n_sources, n_outputs
+        hidden = 4 * n_sources
+        self.norm = RMSNorm(d_model, eps, elementwise_affine=False)
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, n_outputs * n_sources, bias=False)
+        self.static = nn.Parameter(torch.empty(n_outputs, n_sources))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(self.d_model))
+        nn.init.zeros_(self.w2.weight)
+        nn.init.zeros_(self.static)
+        if self.static.device.type != "meta":
+            self.static.data[:, -1] = 1.0
+
+    def forward(self, sources: list[Tensor]) -> list[Tensor]:
+        """The weighted sums X̄^c for each output stream c, from block outputs X_0..X_i."""
+        last = sources[-1]
+        weights = self.w2(F.gelu(self.w1(self.norm(last))))
+        weights = weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
+        outputs = []
+        for c in range(self.n_outputs):
+            acc = weights[..., c, 0:1] * sources[0]
+            for j in range(1, self.n_sources):
+                acc = acc + weights[..., c, j : j + 1] * sources[j]
+            outputs.append(acc)
+        return outputs
+
+
+def realloc_widths(base: int, n_layers: int) -> list[int]:
+    """SwiGLU widths growing linearly from 0.5x to 1.5x of ``base`` with depth (same total up to rounding)."""
+    if n_layers == 1:
+        return [base]
+    return [round(base * (0.5 + i / (n_layers - 1))) for i in range(n_layers)]
+
+
+class MUDDStream(ResidualStream):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        L = cfg.n_layers
+        self.aggregates = nn.ModuleList(
+            DepthAggregate(cfg.d_model, i + 1, 4 if i < L else 1, cfg.norm_eps) for i in range(1, L + 1)
+        )
+        base = cfg.mlp_hidden
+        self.widths = realloc_widths(base, L) if cfg.muddformer.ffn_realloc else [base] * L
+
+    def make_block(self, cfg, layer_idx: int, value_path: nn.Module | None) -> Block:
+        return Block(cfg, layer_idx, value_path, self.widths[layer_idx], separate_kv_norms=True)
+
+    def init_weights(self) -> None:
+        for da in self.aggregates:
+            da.init_weights()
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        sources = [x]
+        xq = xk = xv = xr = x
+        for i in range(len(ctx.blocks)):
+            a = ctx.attend(i, xq, xk, xv) + xr
+            sources.append(a + ctx.feedforward(i, a))
+            mixed = self.aggregates[i](sources)
+            if len(mixed) == 1:
+                return mixed[0]
+            xq, xk, xv, xr = mixed
+        return sources[-1]
+
+    def mixing_weights(self) -> dict[str, Tensor]:
+        """Static part a of each DA, per output stream: (L, L+1) matrices, row i-1 = the DA after block i."""
+        L = len(self.aggregates)
+        tables = {c: torch.zeros(L, L + 1) for c in STREAMS}
+        for i, da in enumerate(self.aggregates):
+            static = da.static.detach().float().cpu()
+            names = STREAMS if da.n_outputs == 4 else ("r",)
+            for c, row in zip(names, static):
+                tables[c][i, : da.n_sources] = row
+        return {f"muddformer/static_{c}": t for c, t in tables.items()}

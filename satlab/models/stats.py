@@ -1,0 +1,27 @@
+"""Parameter counts and analytic FLOPs per token."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def count_params(model: nn.Module) -> int:
+    """All parameters, the tied embedding/head counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def non_embedding_params(model) -> int:
+    """Parameters outside the token embedding (the tied head shares it, so it is excluded too)."""
+    return count_params(model) - model.embed.weight.numel()
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6·(N_non_emb + V·d) + 12·L·d·T.
+
+    The tied LM head is a matmul that runs once per token, so it is counted once (as V·d) although its weight is the
+    embedding's; the embedding lookup is free. 12·L·d·T is the attention score and value matmuls (forward and
+    backward, causal masking not discounted), as in torchtitan and nanoGPT.
+    """
+    cfg = model.cfg
+    n = non_embedding_params(model) + cfg.vocab_size * cfg.d_model
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len
