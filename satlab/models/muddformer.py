@@ -100,6 +100,6 @@ class MUDDStream(ResidualStream):
         for i, da in enumerate(self.aggregates):
             static = da.static.detach().float().cpu()
             names = STREAMS if da.n_outputs == 4 else ("r",)
-            for c, row in zip(names, static):
+            for c, row in zip(names, static, strict=True):
                 tables[c][i, : da.n_sources] = row
         return {f"muddformer/static_{c}": t for c, t in tables.items()}
