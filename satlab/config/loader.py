@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import ConfigError, did_you_mean, unknown_name
-from satlab.config.model import resolve_model_config
+from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import (
     PRECISIONS,
     RESUME_MODES,
@@ -44,8 +44,15 @@ _POSITIVE = (
     "train.devices", "train.num_nodes", "train.val_every_tokens", "train.val_tokens", "train.ckpt_every_tokens",
     "train.log_every_n_steps", "train.max_time_minutes", "eval.every_tokens",
 )
-_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "optim.warmup_tokens", "data.num_workers", "train.keep_last_k")
-_FRACTIONS = ("optim.warmup_fraction", "data.val_fraction")  # in [0, 1)
+_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "optim.warmup_tokens", "data.num_workers",
+                 "train.keep_last_k")
+# (keys, test, what the test says); optional fields are skipped when None.
+_RANGES = (
+    (_POSITIVE, lambda v: v > 0, "> 0"),
+    (_NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
+    (("optim.warmup_fraction", "data.val_fraction"), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("optim.min_lr_ratio",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+)
 _CHOICES = {
     "data.tokenizer.kind": TOKENIZER_KINDS,
     "data.source_kind": SOURCE_KINDS,
@@ -82,10 +89,8 @@ def load_experiment(
     """
     root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
     problems: list[str] = []
-    path = _experiment_path(experiment, root)
-    layers = _preset_chain(path, root, problems)
-    layers += _override_layers(overrides, problems)
-    return _build(layers, problems)
+    layers = _preset_chain(_experiment_path(experiment, root), root, problems)
+    return _build(layers + _override_layers(overrides, problems), problems)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config") -> ExperimentConfig:
@@ -101,9 +106,11 @@ def _experiment_path(experiment: str | Path, root: Path) -> Path:
         return as_path
     path = root / f"{experiment}{PRESET_SUFFIX}"
     if not path.is_file():
-        available = list_experiments(root) if root.is_dir() else []
-        hint = f" in {root}" if available else f"; no presets found in {root} (set ${ENV_EXPERIMENTS_DIR}?)"
-        raise ConfigError(unknown_name("experiment preset", str(experiment), available) + hint)
+        available = list_experiments(root)
+        if not available:
+            raise ConfigError(f"unknown experiment preset '{experiment}': no presets in {root} "
+                              f"(set ${ENV_EXPERIMENTS_DIR}?)")
+        raise ConfigError(unknown_name("experiment preset", str(experiment), available) + f" (presets in {root})")
     return path
 
 
@@ -137,8 +144,8 @@ def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path 
     relative = base.startswith(("./", "../")) or Path(base).is_absolute()
     path = (child.parent / name) if relative else (root / name)
     if not path.is_file():
-        available = list_experiments(root) if root.is_dir() else []
-        problems.append(f"{_label(child)}: base {unknown_name('preset', base, available)} (looked for {path})")
+        problems.append(f"{_label(child)}: base {unknown_name('preset', base, list_experiments(root))}"
+                        f" (looked for {path})")
         return None
     return path
 
@@ -180,16 +187,20 @@ def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:
     try:
         cfg = typing.cast(ExperimentConfig, OmegaConf.to_object(merged))
     except OmegaConfBaseException as e:
-        raise ConfigError([*problems, _first_line(e)]) from None
-    cfg = _resolve_model(cfg, problems)
+        raise ConfigError([*problems, f"{getattr(e, 'full_key', '') or 'config'}: {_first_line(e)}"]) from None
+    try:
+        cfg = dataclasses.replace(cfg, model=resolve_model_config(cfg.model))
+    except ConfigError as e:
+        problems.extend(e.problems)
     problems.extend(_value_problems(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def _merge(node: Any, cls: type, data: Mapping[str, Any], prefix: str, source: str, problems: list[str]) -> None:
-    """Assign ``data`` into ``node`` (a structured section of dataclass ``cls``) leaf by leaf, collecting errors."""
+def _merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: str, problems: list[str]) -> None:
+    """Assign ``data`` (for the section ``prefix`` of type ``cls``) into the structured ``root`` leaf by leaf, so
+    that OmegaConf converts and checks each value on its own and a bad one is reported and skipped."""
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         full_key = f"{prefix}{key}"
@@ -202,42 +213,25 @@ def _merge(node: Any, cls: type, data: Mapping[str, Any], prefix: str, source: s
             if value is None:
                 continue
             if isinstance(value, Mapping):
-                _merge(node[key], typing.cast(type, expected), value, f"{full_key}.", source, problems)
+                _merge(root, typing.cast(type, expected), value, f"{full_key}.", source, problems)
             else:
                 problems.append(f"{source}: '{full_key}' is a section ({', '.join(typing.get_type_hints(expected))})"
                                 f", got {value!r}")
             continue
         try:
-            node[key] = _exact_int(value) if _accepts_int(expected) else value
+            OmegaConf.update(root, full_key, _exact_int(value) if _accepts_int(expected) else value, merge=False)
         except OmegaConfBaseException as e:
             problems.append(f"{source}: {full_key}: {_first_line(e)} (expected {_type_name(expected)})")
-
-
-def _resolve_model(cfg: ExperimentConfig, problems: list[str]) -> ExperimentConfig:
-    try:
-        return dataclasses.replace(cfg, model=resolve_model_config(cfg.model))
-    except ConfigError as e:
-        problems.extend(e.problems)
-        return cfg
 
 
 def _value_problems(cfg: ExperimentConfig) -> list[str]:
     """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
     problems = []
-    for key in _POSITIVE:
-        value = attrgetter(key)(cfg)
-        if value is not None and value <= 0:
-            problems.append(f"{key} must be > 0, got {value!r}")
-    for key in _NON_NEGATIVE:
-        value = attrgetter(key)(cfg)
-        if value is not None and value < 0:
-            problems.append(f"{key} must be >= 0, got {value!r}")
-    for key in _FRACTIONS:
-        value = attrgetter(key)(cfg)
-        if not 0 <= value < 1:
-            problems.append(f"{key} must be in [0, 1), got {value!r}")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        problems.append(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio!r}")
+    for keys, in_range, expected in _RANGES:
+        for key in keys:
+            value = attrgetter(key)(cfg)
+            if value is not None and not in_range(value):
+                problems.append(f"{key} must be {expected}, got {value!r}")
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
     for key, valid in _CHOICES.items():
@@ -246,7 +240,7 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
             problems.append(unknown_name(key, value, valid))
     if cfg.data.tokenizer.kind == "hub" and not cfg.data.tokenizer.name:
         problems.append("data.tokenizer.name is required when data.tokenizer.kind is 'hub'")
-    max_seq_len = cfg.model.max_seq_len
+    max_seq_len = cfg.model.max_seq_len or SIZE_PRESETS.get(cfg.model.size, {}).get("max_seq_len")
     if max_seq_len is not None and cfg.data.seq_len > max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={max_seq_len} (the RoPE table)")
     train = cfg.train

@@ -1,0 +1,214 @@
+"""The experiment config: presets, layering, validation messages, the derived schedule and display helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from satlab.config.derived import Schedule, derive_schedule
+from satlab.config.display import config_from_yaml, flatten, print_config, to_yaml
+from satlab.config.errors import ConfigError
+from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
+from satlab.config.model import ARCHITECTURE_NAMES
+from satlab.config.schema import ExperimentConfig
+from satlab.models import build_model
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def problems_of(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
+    return "\n".join(excinfo.value.problems)
+
+
+@pytest.mark.parametrize("name", list_experiments())
+def test_every_preset_resolves_and_builds(name: str) -> None:
+    cfg = load_experiment(name)
+    assert cfg.model.d_model is not None and cfg.model.max_seq_len >= cfg.data.seq_len
+    model = build_model(cfg.model, device="meta")
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert derive_schedule(cfg).max_steps >= 1
+
+
+def test_default_and_tiny_presets() -> None:
+    names = list_experiments()
+    assert "default" in names
+    assert {f"tiny/{arch}" for arch in ARCHITECTURE_NAMES} <= set(names)
+    default = load_experiment()
+    assert (default.model.arch, default.model.size, default.data.source) == ("satformer", "tiny", "shakespeare")
+    assert (default.data.tokenizer.kind, default.data.tokenizer.vocab_size, default.data.seq_len) == ("bpe", 8192, 256)
+    assert default.train.precision == "32-true"
+    for arch in ARCHITECTURE_NAMES:
+        cfg = load_experiment(f"tiny/{arch}")
+        assert cfg.model.arch == arch and cfg.name == f"tiny-{arch}"
+        assert dataclasses.replace(cfg, name=default.name, description=default.description,
+                                   model=dataclasses.replace(cfg.model, arch="satformer")) == default
+
+
+def test_found_from_another_cwd_and_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert load_experiment("tiny/transformer").model.arch == "transformer"
+    write(tmp_path / "mine" / "solo.yaml", "name: solo\n")
+    monkeypatch.setenv("SATLAB_EXPERIMENTS_DIR", str(tmp_path / "mine"))
+    assert default_experiments_dir() == tmp_path / "mine"
+    assert list_experiments() == ["solo"]
+    assert load_experiment("solo").name == "solo"
+
+
+def test_yaml_typo_says_did_you_mean_and_where(tmp_path: Path) -> None:
+    path = write(tmp_path / "typo.yaml", "base: default\noptim:\n  lrr: 1.0e-3\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_experiment(path)
+    message = problems_of(excinfo)
+    assert "unknown key 'optim.lrr'" in message and "did you mean 'lr'" in message and "typo.yaml" in message
+
+
+def test_override_typo_says_did_you_mean_and_which() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_experiment("default", ["model.acrh=transformer"])
+    message = problems_of(excinfo)
+    assert "override 'model.acrh=transformer'" in message and "did you mean 'arch'" in message
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    path = write(tmp_path / "bad.yaml", "base: default\ntrain:\n  micro_batch_size: lots\n  stratgy: ddp\n")
+    overrides = [
+        "optim.lr=-1",
+        "train.precision=fp32",
+        "data.seq_len=2048",
+        "optim.betas=[0.9,1.5]",
+        "model.arch=gpt",
+        "data.tokenizer.kind=wordpiece",
+        "train.max_tokens",
+        "data.val_fraction=1.0",
+    ]
+    with pytest.raises(ConfigError) as excinfo:
+        load_experiment(path, overrides)
+    message = problems_of(excinfo)
+    expected = [
+        "bad.yaml: train.micro_batch_size",
+        "expected int",
+        "did you mean 'strategy'",
+        "optim.lr must be > 0",
+        "unknown train.precision 'fp32'; valid: 16-mixed, 32-true",
+        "data.seq_len=2048 exceeds model.max_seq_len=1024",
+        "optim.betas",
+        "architecture (model.arch) 'gpt'",
+        "data.tokenizer.kind 'wordpiece'",
+        "malformed override 'train.max_tokens'",
+        "data.val_fraction must be in [0, 1)",
+        "train.global_batch_tokens=8192 is not a multiple",
+    ]
+    assert [e for e in expected if e not in message] == []
+    assert len(excinfo.value.problems) >= len(expected) - 1
+
+
+def test_precedence_override_preset_base_defaults(tmp_path: Path) -> None:
+    write(tmp_path / "base.yaml", "optim:\n  lr: 1.0e-3\ntrain:\n  seed: 1\n  max_time_minutes: 5\n")
+    write(tmp_path / "group" / "child.yaml", "base: ../base\noptim:\n  lr: 2.0e-3\ntrain:\n  seed: 2\n")
+    write(tmp_path / "grandchild.yaml", "base: group/child\ntrain:\n  seed: 3\n")
+    cfg = load_experiment("grandchild", ["train.seed=4", "optim.warmup_tokens=1e4"], experiments_dir=tmp_path)
+    defaults = ExperimentConfig()
+    assert cfg.train.seed == 4  # override > preset
+    assert cfg.optim.lr == 2e-3  # nearer preset > its base
+    assert cfg.train.max_time_minutes == 5  # base > defaults
+    assert cfg.train.max_tokens == defaults.train.max_tokens
+    assert cfg.optim.warmup_tokens == 10_000 and isinstance(cfg.optim.warmup_tokens, int)
+
+
+def test_whole_number_strings_and_floats_become_ints() -> None:
+    cfg = load_experiment(overrides=["train.max_tokens=1e6", "train.val_tokens='3.2768e4'"])
+    assert cfg.train.max_tokens == 1_000_000 and cfg.train.val_tokens == 32_768
+    with pytest.raises(ConfigError, match="train.max_tokens"):
+        load_experiment(overrides=["train.max_tokens=1.5e0"])
+
+
+def test_cycle_is_detected(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", "base: b\n")
+    write(tmp_path / "b.yaml", "base: ./a\n")
+    with pytest.raises(ConfigError, match="cycle in 'base:' chain: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        load_experiment("a", experiments_dir=tmp_path)
+
+
+def test_unknown_preset_lists_the_available_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_experiment("tiny/transfomer")
+    message = str(excinfo.value)
+    assert "did you mean 'tiny/transformer'" in message and "default" in message and "tiny/muddformer" in message
+    write(tmp_path / "child.yaml", "base: nowhere\n")
+    with pytest.raises(ConfigError, match="unknown preset 'nowhere'"):
+        load_experiment("child", experiments_dir=tmp_path)
+
+
+def small_config(**train: int) -> ExperimentConfig:
+    cfg = ExperimentConfig()
+    cfg.data.seq_len = 256
+    budgets = dict(max_tokens=10_000_000, global_batch_tokens=65_536, micro_batch_size=16, val_every_tokens=1_000_000,
+                   ckpt_every_tokens=20_000_000, val_tokens=65_536)
+    cfg.train = dataclasses.replace(cfg.train, **{**budgets, **train})
+    return cfg
+
+
+def test_derived_schedule_worked_example() -> None:
+    cfg = small_config()
+    assert derive_schedule(cfg, world_size=2) == Schedule(
+        tokens_per_step=65_536,
+        micro_batch_tokens=4096,  # 16 sequences of 256 tokens
+        grad_accum_steps=8,  # 65536 / (4096 * 2 ranks)
+        max_steps=152,  # 10_000_000 // 65_536 = 152.59
+        warmup_steps=2,  # round(0.01 * 152)
+        val_every_steps=15,  # 1_000_000 // 65_536
+        ckpt_every_steps=152,  # 305 capped at max_steps
+        val_batches=16,  # 65_536 // 4096
+        eval_every_steps=None,
+    )
+    assert list(derive_schedule(cfg, world_size=2).as_dict())[:3] == ["tokens_per_step", "micro_batch_tokens",
+                                                                      "grad_accum_steps"]
+    cfg.optim.warmup_tokens = 300_000
+    cfg.eval.every_tokens = 2_000_000
+    schedule = derive_schedule(cfg, world_size=1)
+    assert (schedule.grad_accum_steps, schedule.warmup_steps, schedule.eval_every_steps) == (16, 5, 30)
+    tiny_budget = derive_schedule(small_config(max_tokens=1000))
+    assert (tiny_budget.max_steps, tiny_budget.val_every_steps, tiny_budget.warmup_steps) == (1, 1, 0)
+
+
+def test_derived_schedule_rejects_a_non_divisible_global_batch() -> None:
+    with pytest.raises(ConfigError, match="not a multiple of .* = 16\\*256\\*3 = 12288"):
+        derive_schedule(small_config(), world_size=3)
+    with pytest.raises(ConfigError, match="nearest valid: 8192 or 16384"):
+        load_experiment(overrides=["train.global_batch_tokens=10000"])
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    cfg = load_experiment("tiny/hyperconnections", ["optim.betas=[0.8,0.99]", "eval.every_tokens=100000"])
+    text = to_yaml(cfg)
+    assert config_from_yaml(text) == cfg
+    saved = write(tmp_path / "run" / "config.yaml", text)
+    assert config_from_yaml(saved) == cfg and config_from_yaml(str(saved)) == cfg
+    with pytest.raises(ConfigError, match="did you mean 'seed'"):
+        config_from_yaml(text.replace("seed:", "sed:"))
+
+
+def test_flatten_gives_dotted_scalar_params() -> None:
+    flat = flatten(load_experiment())
+    assert flat["model.arch"] == "satformer" and flat["model.d_model"] == 128
+    assert flat["data.tokenizer.vocab_size"] == 8192 and flat["optim.betas"] == "[0.9, 0.95]"
+    assert flat["tracking.uri"] == "null" and flat["train.compile"] is False
+    assert all(isinstance(v, str | int | float | bool) for v in flat.values())
+    assert load_experiment(overrides=[f"{k}={v}" for k, v in flat.items() if k.startswith("optim.")]).optim == (
+        load_experiment().optim
+    )
+
+
+def test_print_config_renders_the_yaml() -> None:
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    print_config(load_experiment("tiny/muddformer"), console=console)
+    out = console.file.getvalue()
+    assert "tiny-muddformer" in out and "arch: muddformer" in out and "global_batch_tokens: 8192" in out
