@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup test test-full lint archs clean
+.PHONY: help setup train test test-full lint archs ui clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -32,6 +32,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install satlab with its dependencies
 
+EXP ?= default
+ARGS ?=
+UI_PORT ?= 5000
+UI_HOST ?= 127.0.0.1
+
+train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS="optim.lr=1e-3 ..."]
+	$(VENV)/bin/satlab train experiment=$(EXP) $(ARGS)
+
 test: $(STAMP) ## run the fast test suite (what CI runs)
 	$(PY) -m pytest -q
 
@@ -43,6 +51,11 @@ lint: $(STAMP) ## ruff over the package and tests
 
 archs: $(STAMP) ## table of every architecture and variant (SIZE=tiny|small|medium|large|xl)
 	$(VENV)/bin/satlab archs --size $(or $(SIZE),tiny)
+
+ui: $(STAMP) ## MLflow UI over the local store on http://127.0.0.1:5000 (UI_HOST=0.0.0.0 to share it)
+	@mkdir -p mlruns/artifacts
+	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
+		--default-artifact-root $(CURDIR)/mlruns/artifacts --host $(UI_HOST) --port $(UI_PORT)
 
 clean: ## remove caches (keeps .venv, runs and mlruns)
 	rm -rf .pytest_cache .ruff_cache .cache

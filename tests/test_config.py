@@ -43,7 +43,7 @@ def test_default_and_tiny_presets() -> None:
     assert {f"tiny/{arch}" for arch in ARCHITECTURE_NAMES} <= set(names)
     default = load_experiment()
     assert (default.model.arch, default.model.size, default.data.source) == ("satformer", "tiny", "shakespeare")
-    assert (default.data.tokenizer.kind, default.data.tokenizer.vocab_size, default.data.seq_len) == ("bpe", 8192, 256)
+    assert (default.data.tokenizer.kind, default.data.tokenizer.vocab_size, default.data.seq_len) == ("bpe", 4096, 256)
     assert default.train.precision == "32-true"
     for arch in ARCHITECTURE_NAMES:
         cfg = load_experiment(f"tiny/{arch}")
@@ -199,7 +199,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
 def test_flatten_gives_dotted_scalar_params() -> None:
     flat = flatten(load_experiment())
     assert flat["model.arch"] == "satformer" and flat["model.d_model"] == 128
-    assert flat["data.tokenizer.vocab_size"] == 8192 and flat["optim.betas"] == "[0.9, 0.95]"
+    assert flat["data.tokenizer.vocab_size"] == 4096 and flat["optim.betas"] == "[0.9, 0.95]"
     assert flat["tracking.uri"] == "null" and flat["train.compile"] is False
     assert all(isinstance(v, str | int | float | bool) for v in flat.values())
     assert load_experiment(overrides=[f"{k}={v}" for k, v in flat.items() if k.startswith("optim.")]).optim == (

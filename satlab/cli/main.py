@@ -10,6 +10,7 @@ import sys
 
 # command -> (module under satlab.cli, one-line help)
 COMMANDS = {
+    "train": ("train", "train an experiment preset (make train), resumable with train.resume=auto"),
     "archs": ("archs", "list every architecture and variant with parameter counts"),
 }
 

@@ -27,7 +27,7 @@ RESFORMER_MODES = ("learnable", "fixed")
 
 # d, L, H (d_h = 64), SwiGLU width, vocab, RoPE length. The paper sizes are the spec's table.
 SIZE_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=128, n_layers=4, n_heads=4, mlp_hidden=512, vocab_size=8192, max_seq_len=1024),
+    "tiny": dict(d_model=128, n_layers=6, n_heads=4, mlp_hidden=512, vocab_size=4096, max_seq_len=1024),
     "small": dict(d_model=768, n_layers=11, n_heads=12, mlp_hidden=3072, vocab_size=32000, max_seq_len=4096),
     "medium": dict(d_model=1024, n_layers=18, n_heads=16, mlp_hidden=4096, vocab_size=32000, max_seq_len=4096),
     "large": dict(d_model=1536, n_layers=19, n_heads=24, mlp_hidden=6144, vocab_size=32000, max_seq_len=4096),

@@ -84,6 +84,11 @@ class HyperConnectionStream(ResidualStream):
         """o_proj and down_proj start with std / sqrt(n), as in the HC paper."""
         return std / math.sqrt(self.n)
 
+    def extra_flops_per_token(self) -> float:
+        """The stream mixing A_mᵀH (2·n·d) and A_rᵀH (2·n²·d) per sublayer, forward and backward (x3)."""
+        d = self.connections[0].norm.dim
+        return len(self.connections) * 3 * 2 * self.n * (self.n + 1) * d
+
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
         H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
         for i in range(len(ctx.blocks)):

@@ -16,12 +16,13 @@ def non_embedding_params(model) -> int:
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token: 6·(N_non_emb + V·d) + 12·L·d·T.
+    """Training FLOPs per token: 6·(N_non_emb + V·d) + 12·L·d·T, plus the depth loop's own mixing matmuls.
 
     The tied LM head is a matmul that runs once per token, so it is counted once (as V·d) although its weight is the
     embedding's; the embedding lookup is free. 12·L·d·T is the attention score and value matmuls (forward and
-    backward, causal masking not discounted), as in torchtitan and nanoGPT.
+    backward, causal masking not discounted), as in torchtitan and nanoGPT. Hyper-connections add their stream
+    mixing (about 2 % at the tiny size, < 0.1 % at the paper sizes).
     """
     cfg = model.cfg
     n = non_embedding_params(model) + cfg.vocab_size * cfg.d_model
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len + model.stream.extra_flops_per_token()

@@ -69,3 +69,7 @@ class ResidualStream(nn.Module):
     def mixing_weights(self) -> dict[str, Tensor]:
         """Static mixing weights for plots (none for the plain residual)."""
         return {}
+
+    def extra_flops_per_token(self) -> float:
+        """Training FLOPs per token of the depth loop's own matmuls that 6·N does not cover (none here)."""
+        return 0.0

@@ -1,0 +1,178 @@
+"""One training run, from a resolved experiment config to a finished, tracked, resumable run."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import MLFlowLogger
+from satlab.training.datamodule import LMDataModule
+
+from satlab.config.derived import Schedule, derive_schedule
+from satlab.config.display import flatten, to_yaml
+from satlab.config.schema import ExperimentConfig
+from satlab.models import count_params, flops_per_token, non_embedding_params
+from satlab.training.module import LMModule
+from satlab.training.perf import ThroughputCallback
+from satlab.training.summary import print_summary
+from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_tracking
+
+RUN_INFO = "run.json"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    tracking_uri: str
+    experiment: str
+    mlflow_run_id: str | None
+    params: int
+    non_embedding_params: int
+    tokens: int
+    initial_val_loss: float | None
+    final_val_loss: float | None
+    final_train_loss: float | None
+    tokens_per_sec: float | None
+    wall_seconds: float
+
+
+def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
+    """(run dir, checkpoint to resume from or None, saved run info). ``resume: auto`` continues ``runs/<name>``
+    from its last checkpoint; ``never`` starts a new numbered directory rather than touching an earlier run."""
+    base = Path(cfg.train.out_dir) / cfg.name
+    last = base / "checkpoints" / "last.ckpt"
+    if cfg.train.resume == "auto" and last.exists():
+        info_path = base / RUN_INFO
+        return base, last, json.loads(info_path.read_text()) if info_path.exists() else {}
+    run_dir, n = base, 1
+    while (run_dir / "checkpoints").exists():
+        n += 1
+        run_dir = base.with_name(f"{cfg.name}-{n}")
+    return run_dir, None, {}
+
+
+def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str) -> MLFlowLogger | None:
+    if not cfg.tracking.enabled:
+        return None
+    uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
+    uri = ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local)
+    return MLFlowLogger(
+        experiment_name=cfg.tracking.experiment or cfg.name,
+        run_name=cfg.name,
+        tracking_uri=uri,
+        artifact_location=artifacts,
+        run_id=info.get("mlflow_run_id"),
+        tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())},
+    )
+
+
+def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True) -> RunResult:
+    """Train ``cfg`` to its token budget (or resume it) and return what happened."""
+    started = time.perf_counter()
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+    data = LMDataModule(cfg, progress=progress)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
+    run_dir, ckpt_path, info = run_directory(cfg)
+    if ckpt_path is not None:
+        warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
+    data.set_schedule(schedule)
+    module = LMModule(cfg, schedule)
+    flops = flops_per_token(module.model, cfg.data.seq_len)
+
+    logger = make_logger(cfg, run_dir, info, preset)
+    if logger is not None:
+        info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
+                "experiment": logger._experiment_name}
+        (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))
+        if ckpt_path is None:
+            logger.log_hyperparams(flatten(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
+                                   | {"model.params": count_params(module.model),
+                                      "model.non_embedding_params": non_embedding_params(module.model),
+                                      "model.flops_per_token": flops} | data.provenance())
+            logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
+
+    throughput = ThroughputCallback(flops, schedule.tokens_per_step)
+    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput], progress)
+    initial_val = None
+    try:
+        if ckpt_path is None:
+            initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        train_loss = trainer.callback_metrics.get("train/loss")
+        final_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+    except BaseException as error:
+        if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
+            logger.finalize("KILLED" if isinstance(error, KeyboardInterrupt) else "failed")
+        raise
+    result = RunResult(
+        run_dir=run_dir,
+        tracking_uri=info.get("tracking_uri", ""),
+        experiment=info.get("experiment", ""),
+        mlflow_run_id=info.get("mlflow_run_id"),
+        params=count_params(module.model),
+        non_embedding_params=non_embedding_params(module.model),
+        tokens=trainer.global_step * schedule.tokens_per_step,
+        initial_val_loss=initial_val,
+        final_val_loss=final_val,
+        final_train_loss=None if train_loss is None else float(train_loss),
+        tokens_per_sec=throughput.mean_tokens_per_sec,
+        wall_seconds=time.perf_counter() - started,
+    )
+    if logger is not None:
+        logger.finalize("success")
+    if trainer.is_global_zero:
+        print_summary(cfg, result)
+    return result
+
+
+def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logger, callbacks: list,
+                 progress: bool) -> L.Trainer:
+    t = cfg.train
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="step{step:07d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=schedule.ckpt_every_steps,
+        save_top_k=t.keep_last_k,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
+    callbacks = [checkpoint, *callbacks] + ([RichProgressBar(leave=True)] if progress else [])
+    return L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=t.strategy,
+        precision=t.precision,
+        max_steps=schedule.max_steps,
+        accumulate_grad_batches=schedule.grad_accum_steps,
+        gradient_clip_val=cfg.optim.grad_clip or None,
+        val_check_interval=schedule.val_every_steps * schedule.grad_accum_steps,
+        check_val_every_n_epoch=None,
+        limit_val_batches=schedule.val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every_n_steps,
+        deterministic=t.deterministic,
+        max_time={"minutes": t.max_time_minutes} if t.max_time_minutes else None,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        # no_grad rather than inference mode: the validation run before fit would otherwise leave the torchmetrics
+        # state as inference tensors, which the validations during fit may not update.
+        inference_mode=False,
+        default_root_dir=run_dir,
+    )

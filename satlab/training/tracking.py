@@ -1,0 +1,101 @@
+"""MLflow tracking: where runs go, provenance tags, and a fail-fast check of the tracking server.
+
+MLflow >= 3.13 refuses a plain-folder store, so the default is a sqlite database ``mlruns/mlflow.db`` with
+artifacts in ``mlruns/artifacts`` under the project (or ``$MLFLOW_TRACKING_URI``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import satlab
+from satlab.config.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_STORE = PROJECT_ROOT / "mlruns"
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{DEFAULT_STORE / 'mlflow.db'}"
+
+
+def resolve_tracking(uri: str | None, artifact_dir: str | None) -> tuple[str, str | None]:
+    """(tracking URI, artifact location for new experiments) from the config, the environment and the default."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        db.parent.mkdir(parents=True, exist_ok=True)
+        artifacts = Path(artifact_dir) if artifact_dir else db.parent / "artifacts"
+        return uri, artifacts.resolve().as_uri()
+    if "://" not in uri:
+        raise ConfigError(
+            f"tracking.uri '{uri}' is a plain folder, which MLflow >= 3.13 refuses as a tracking store; "
+            f"use 'sqlite:///{Path(uri).resolve()}/mlflow.db' or a server URL such as http://127.0.0.1:5000"
+        )
+    return uri, Path(artifact_dir).resolve().as_uri() if artifact_dir else None
+
+
+def check_server(uri: str, timeout: float = 5.0) -> str | None:
+    """None when an http(s) tracking server answers (or the store is local); otherwise why it does not."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+    except (urllib.error.URLError, OSError) as error:
+        return str(getattr(error, "reason", error))
+    return None
+
+
+def ensure_reachable(uri: str, fallback_local: bool) -> str:
+    """The URI to use: ``uri`` when reachable; the local sqlite store if the server is down and fallback is on."""
+    problem = check_server(uri)
+    if problem is None:
+        return uri
+    if fallback_local:
+        local = default_tracking_uri()
+        print(f"satlab: MLflow server {uri} is unreachable ({problem}); logging to the local store {local}",
+              file=sys.stderr)
+        return local
+    raise ConfigError(
+        f"the MLflow tracking server {uri} is unreachable ({problem}); start it (make ui serves the local store), "
+        "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.fallback_local=true to log to mlruns/mlflow.db"
+    )
+
+
+def git_revision() -> tuple[str, bool]:
+    """(commit hash or 'unknown', whether the work tree has uncommitted changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip() != ""
+        return rev, dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+
+
+def provenance_tags(arch: str, preset: str) -> dict[str, str]:
+    import lightning
+    import torch
+
+    rev, dirty = git_revision()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "architecture": arch,
+        "preset": preset,
+        "git_revision": rev,
+        "git_dirty": str(dirty).lower(),
+        "satlab_version": satlab.__version__,
+        "torch_version": torch.__version__,
+        "lightning_version": lightning.__version__,
+        "python_version": platform.python_version(),
+        "device": device,
+        "device_count": str(max(torch.cuda.device_count(), 1)),
+        "command": " ".join(sys.argv),
+    }

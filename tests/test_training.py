@@ -1,0 +1,116 @@
+"""Training runs end to end on the CPU: every architecture trains 20 steps and lands in a temporary MLflow store;
+resume=auto continues the same run; the optimizer and schedule do what the config says."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import mlflow
+import pytest
+import torch
+
+from satlab.config.loader import load_experiment
+from satlab.config.model import ARCHITECTURE_NAMES
+from satlab.models import build_model
+from satlab.training.module import lr_factor, parameter_groups
+from satlab.training.run import train
+
+TINY = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64",
+    "data.source=kjv", "data.tokenizer.kind=byte", "data.seq_len=64",
+    "train.micro_batch_size=8", "train.global_batch_tokens=512", "train.max_tokens=10240",
+    "train.val_every_tokens=5120", "train.val_tokens=1024", "train.ckpt_every_tokens=5120",
+    "train.log_every_n_steps=5",
+]
+
+
+def tiny_config(tmp_path, *extra: str):
+    overrides = [*TINY, f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / 'runs'}",
+                 f"tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}", *extra]
+    return load_experiment("default", overrides)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+def test_twenty_steps_of_every_architecture_land_in_mlflow(workdir, arch):
+    cfg = tiny_config(workdir, f"model.arch={arch}", f"name=t-{arch}", "tracking.experiment=tests")
+    result = train(cfg, preset="test", progress=False)
+    assert result.tokens == 20 * 512
+    assert math.isfinite(result.final_val_loss) and result.final_val_loss < result.initial_val_loss
+
+    client = mlflow.MlflowClient(result.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.arch"] == arch and run.data.tags["architecture"] == arch
+    for metric in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_sec", "tokens_seen", "train/lr"):
+        assert metric in run.data.metrics, metric
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")][0] == 0
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert (result.run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+def test_resume_auto_continues_the_same_run_and_mlflow_record(tmp_path):
+    first = train(tiny_config(tmp_path, "name=resumed"), progress=False)
+    assert first.tokens == 20 * 512
+    second = train(tiny_config(tmp_path, "name=resumed", "train.max_tokens=15360"), progress=False)
+    assert second.run_dir == first.run_dir and second.mlflow_run_id == first.mlflow_run_id
+    assert second.tokens == 30 * 512 and second.initial_val_loss is None
+    history = mlflow.MlflowClient(first.tracking_uri).get_metric_history(first.mlflow_run_id, "tokens_seen")
+    assert max(m.value for m in history) == 30 * 512
+
+
+def test_resume_never_starts_a_new_directory_and_keeps_the_old_one(tmp_path):
+    first = train(tiny_config(tmp_path, "name=fresh", "train.max_tokens=2560"), progress=False)
+    second = train(tiny_config(tmp_path, "name=fresh", "train.max_tokens=2560", "train.resume=never"),
+                   progress=False)
+    assert second.run_dir != first.run_dir and (first.run_dir / "checkpoints" / "last.ckpt").exists()
+    assert second.mlflow_run_id != first.mlflow_run_id
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_weight_decay_skips_norms_and_static_mixing_weights_unless_decay_all():
+    model = build_model(dict(arch="hyperconnections", d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                             vocab_size=64, max_seq_len=64))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = parameter_groups(model, 0.1, decay_all=False, lr=1e-3, gate_lr_multiplier=1.0)
+    decayed = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert "blocks.0.attn.q_proj.weight" in decayed and "embed.weight" in decayed
+    assert not {n for n in decayed if "norm" in n or "static" in n}
+    everything = parameter_groups(model, 0.1, decay_all=True, lr=1e-3, gate_lr_multiplier=1.0)
+    assert all(g["weight_decay"] == 0.1 for g in everything)
+
+
+def test_gate_parameters_get_their_own_learning_rate():
+    model = build_model(dict(arch="satformer", d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, vocab_size=64,
+                             max_seq_len=64))
+    groups = parameter_groups(model, 0.1, decay_all=False, lr=1e-3, gate_lr_multiplier=10.0)
+    gate = model.blocks[1].attn.value_path.proj.weight
+    lrs = {g["lr"] for g in groups if any(p is gate for p in g["params"])}
+    assert lrs == {1e-2}
+    assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
+
+
+def test_train_cli_rejects_a_typo_with_did_you_mean_and_exit_code_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "satlab.cli.main", "train", "optim.lrr=1e-3",
+                           f"train.out_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "did you mean 'lr'" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_model_vocabulary_follows_the_tokenizer(tmp_path):
+    result = train(tiny_config(tmp_path, "name=vocab", "train.max_tokens=512"), progress=False)
+    state = torch.load(result.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["state_dict"]["model.embed.weight"].shape[0] == 258  # 256 bytes + eos + pad
