@@ -11,9 +11,11 @@ import mlflow
 import pytest
 import torch
 
+from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.model import ARCHITECTURE_NAMES
 from satlab.models import build_model
+from satlab.training.checkpoint import load_checkpoint
 from satlab.training.module import lr_factor, parameter_groups
 from satlab.training.run import train
 
@@ -110,7 +112,21 @@ def test_train_cli_rejects_a_typo_with_did_you_mean_and_exit_code_2(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_the_model_vocabulary_follows_the_tokenizer(tmp_path):
-    result = train(tiny_config(tmp_path, "name=vocab", "train.max_tokens=512"), progress=False)
-    state = torch.load(result.run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-    assert state["state_dict"]["model.embed.weight"].shape[0] == 258  # 256 bytes + eos + pad
+def test_a_checkpoint_alone_restores_model_tokenizer_and_config(tmp_path):
+    result = train(tiny_config(tmp_path, "name=ckpt", "model.arch=resformer", "train.max_tokens=1024"),
+                   progress=False)
+    loaded = load_checkpoint(result.run_dir)
+    assert loaded.model.embed.weight.shape[0] == 258  # the model's vocabulary is the byte tokenizer's
+    assert loaded.cfg.model.arch == "resformer" and loaded.step == 2
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("In the beginning")) == "In the beginning"
+    idx = torch.tensor([loaded.tokenizer.encode("In the beginning")])
+    assert torch.isfinite(loaded.model(idx).logits).all()
+
+
+def test_loading_a_missing_or_corrupt_checkpoint_says_what_is_wrong(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nowhere")
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_checkpoint(bad)

@@ -83,6 +83,16 @@ class TextTokenizer:
                 "fingerprint": self.fingerprint}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
+    def to_dict(self) -> dict:
+        """A JSON-able description that :meth:`from_dict` turns back into this tokenizer (for checkpoints)."""
+        return {"kind": self.kind, "name": self.name, "eos_id": self.eos_id,
+                "hf": None if self.hf is None else self.hf.to_str()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TextTokenizer:
+        hf = None if data["hf"] is None else tokenizers.Tokenizer.from_str(data["hf"])
+        return cls(data["kind"], data["eos_id"], hf, data.get("name"))
+
     @classmethod
     def load(cls, directory: str | Path) -> TextTokenizer:
         """The tokenizer saved in ``directory`` by :meth:`save`."""

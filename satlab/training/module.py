@@ -13,6 +13,8 @@ from lightning.pytorch.utilities import grad_norm
 from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
 from satlab.models import build_model
+from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
+from satlab.training.checkpoint import satlab_entry
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -26,9 +28,10 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 class LMModule(L.LightningModule):
     """Next-token cross-entropy on a zoo model, AdamW with warmup + cosine, validation loss and perplexity."""
 
-    def __init__(self, cfg: ExperimentConfig, schedule: Schedule):
+    def __init__(self, cfg: ExperimentConfig, schedule: Schedule, tokenizer=None):
         super().__init__()
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.schedule = schedule
         self.model = build_model(cfg.model)
         self.val_loss = torchmetrics.MeanMetric()
@@ -66,6 +69,10 @@ class LMModule(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.tokenizer is not None:
+            checkpoint[CHECKPOINT_KEY] = satlab_entry(self.cfg, self.tokenizer)
 
     def configure_optimizers(self):
         optim = self.cfg.optim

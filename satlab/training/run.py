@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -12,12 +13,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
-from satlab.training.datamodule import LMDataModule
 
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import flatten, to_yaml
 from satlab.config.schema import ExperimentConfig
 from satlab.models import count_params, flops_per_token, non_embedding_params
+from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
 from satlab.training.perf import ThroughputCallback
 from satlab.training.summary import print_summary
@@ -72,8 +73,12 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str) -
     )
 
 
-def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True) -> RunResult:
-    """Train ``cfg`` to its token budget (or resume it) and return what happened."""
+def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
+          callbacks: Sequence[L.Callback] = ()) -> RunResult:
+    """Train ``cfg`` to its token budget (or resume it) and return what happened.
+
+    ``callbacks`` are added to the Trainer's (a sweep trial adds its pruning callback here).
+    """
     started = time.perf_counter()
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
@@ -88,7 +93,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True) 
 
     schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
     data.set_schedule(schedule)
-    module = LMModule(cfg, schedule)
+    module = LMModule(cfg, schedule, data.tokenizer)
     flops = flops_per_token(module.model, cfg.data.seq_len)
 
     logger = make_logger(cfg, run_dir, info, preset)
@@ -104,7 +109,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True) 
             logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
 
     throughput = ThroughputCallback(flops, schedule.tokens_per_step)
-    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput], progress)
+    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, *callbacks], progress)
     initial_val = None
     try:
         if ckpt_path is None:
