@@ -79,6 +79,8 @@ class TrainConfig:
     devices: int = 1
     num_nodes: int = 1
     strategy: str = "auto"
+    data_parallel_size: int | None = None  # model_parallel: size of the FSDP2 data-parallel mesh (None: all devices)
+    activation_checkpointing: bool = False  # fsdp / model_parallel: recompute each block in the backward pass
     deterministic: bool = False
     val_every_tokens: int = 250_000
     val_tokens: int = 65_536
@@ -105,6 +107,7 @@ class TrackingConfig:
     artifact_dir: str | None = None
     experiment: str | None = None
     fallback_local: bool = False
+    tags: dict[str, str] = field(default_factory=dict)  # extra run tags (a sweep sets mlflow.parentRunId here)
 
 
 @dataclass

@@ -8,13 +8,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.utilities import grad_norm
 
 from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
 from satlab.models import build_model
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.checkpoint import satlab_entry
+from satlab.training.parallel import compile_blocks, shard_model
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -36,6 +36,19 @@ class LMModule(L.LightningModule):
         self.model = build_model(cfg.model)
         self.val_loss = torchmetrics.MeanMetric()
         self.tokens_seen = 0
+        self._configured = False
+        self._step_losses: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        """Per-block compile, then FSDP2 sharding under the model-parallel strategy (see ``parallel.py``)."""
+        if self._configured:
+            return
+        self._configured = True
+        if self.cfg.train.compile:
+            compile_blocks(self.model)
+        if self.cfg.train.strategy == "model_parallel":
+            shard_model(self.model, self.device_mesh["data_parallel"], self.cfg.train.precision,
+                        self.cfg.train.activation_checkpointing)
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
@@ -51,13 +64,21 @@ class LMModule(L.LightningModule):
         idx, targets = batch
         loss = self.loss(idx, targets)
         self.tokens_seen += idx.numel() * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("tokens_seen", float(self.tokens_seen))
+        self._step_losses.append(loss.detach())
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        norms = grad_norm(self.model, norm_type=2)
-        self.log("train/grad_norm", norms["grad_2.0_norm_total"])
+        """Logs the loss of the whole global batch (mean over micro-batches and ranks), the gradient norm before
+        clipping, and the learning rate."""
+        step_loss = torch.stack(self._step_losses).mean()
+        self._step_losses.clear()
+        self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
+        self.log("tokens_seen", float(self.tokens_seen))
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(total, "full_tensor"):  # FSDP2 shards gradients as DTensors
+            total = total.full_tensor()
+        self.log("train/grad_norm", total)
         self.log("train/lr", optimizer.param_groups[0]["lr"])
 
     def validation_step(self, batch, batch_idx: int) -> None:

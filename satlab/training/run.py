@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import flatten, to_yaml
@@ -20,6 +21,7 @@ from satlab.config.schema import ExperimentConfig
 from satlab.models import count_params, flops_per_token, non_embedding_params
 from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
+from satlab.training.parallel import make_strategy
 from satlab.training.perf import ThroughputCallback
 from satlab.training.summary import print_summary
 from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_tracking
@@ -59,7 +61,9 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
 
 
 def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str) -> MLFlowLogger | None:
-    if not cfg.tracking.enabled:
+    """The MLflow logger, on global rank 0 only: the other ranks of a DDP/FSDP run re-execute this script before the
+    Trainer exists, and must not open runs of their own."""
+    if not cfg.tracking.enabled or rank_zero_only.rank != 0:
         return None
     uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
     uri = ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local)
@@ -69,7 +73,7 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str) -
         tracking_uri=uri,
         artifact_location=artifacts,
         run_id=info.get("mlflow_run_id"),
-        tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())},
+        tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | dict(cfg.tracking.tags),
     )
 
 
@@ -89,7 +93,8 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     if ckpt_path is not None:
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if rank_zero_only.rank == 0:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
     data.set_schedule(schedule)
@@ -160,7 +165,7 @@ def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logge
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=t.strategy,
+        strategy=make_strategy(cfg),
         precision=t.precision,
         max_steps=schedule.max_steps,
         accumulate_grad_batches=schedule.grad_accum_steps,

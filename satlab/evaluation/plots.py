@@ -1,0 +1,218 @@
+"""Figures of the gate analysis and of the static mixing weights, so dynamic (SATFormer) and static (ResFormer,
+DenseFormer, hyper-connections, MUDDFormer) access to earlier layers can be compared side by side.
+
+Figures are built with matplotlib's object API (``matplotlib.figure.Figure``, rendered by Agg on save): no pyplot,
+so no global figure registry to leak into and nothing to close; a figure is freed when it is no longer referenced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+from torch import nn
+
+from satlab.evaluation.gates import GateReport
+
+ANNOTATE_MAX_CELLS = 256
+# Row and column meaning of the 2-D static weights, per family: (row label, column label, first row number).
+MATRIX_AXES = {
+    "denseformer": ("DWA after block i", "source X_j (0 = embedding)", 1),
+    "muddformer": ("depth aggregate after block i", "source X_j (0 = embedding)", 1),
+    "hyperconnections": ("sublayer (a = attention, m = MLP)", "residual copy", 0),
+}
+
+
+def _text(ax: Axes, row: int, col: int, label: str, shade: tuple[float, ...]) -> None:
+    """A cell label in black or white, whichever reads better on the cell's colour."""
+    color = "black" if np.mean(shade[:3]) > 0.5 else "white"
+    ax.text(col, row, label, ha="center", va="center", fontsize=7, color=color)
+
+
+def _norm(values: np.ndarray, signed: bool) -> Normalize:
+    """Colour scale of ``values``: symmetric around 0 when signed, never of zero width."""
+    if signed:
+        vmax = float(np.abs(values).max()) or 1.0
+        return Normalize(-vmax, vmax)
+    low, high = float(values.min()), float(values.max())
+    return Normalize(low, high if high > low else low + 1.0)
+
+
+def plot_gate_heatmap(report: GateReport) -> Figure:
+    """Mean gate per gated layer × KV head, annotated with mean and sparsity; dead heads framed red, other
+    saturated heads framed orange and labelled with their bound."""
+    mean = report.mean
+    signed = bool(mean.min() < 0)
+    cmap = colormaps["RdBu_r" if signed else "viridis"]
+    norm = _norm(mean, signed)
+    fig = Figure(figsize=(2.0 + 1.1 * report.heads, 1.4 + 0.55 * len(report.layers)), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(mean, cmap=cmap, norm=norm, aspect="auto")
+    fig.colorbar(image, ax=ax, label="mean gate")
+    for (r, c), v in np.ndenumerate(mean):
+        bound = report.saturated_at[r][c]
+        label = f"{v:.2f}\n{report.sparsity[r, c]:.0%} zero" + ("" if bound is None else f"\nsat@{bound:g}")
+        _text(ax, r, c, label, cmap(norm(v)))
+        if report.dead[r, c] or bound is not None:
+            color = "red" if report.dead[r, c] else "orange"
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor=color, linewidth=2.5))
+    ax.set_xticks(range(report.heads), [str(h) for h in range(report.heads)] if report.heads > 1 else ["all"])
+    ax.set_yticks(range(len(report.layers)), [str(layer) for layer in report.layers])
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"SATFormer gates ({report.gate_fn}, {report.granularity}, {report.n_tokens} tokens)", fontsize=9)
+    handles = [Patch(fill=False, edgecolor="red", label="dead"), Patch(fill=False, edgecolor="orange",
+                                                                       label="saturated")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    return fig
+
+
+def plot_gate_categories(report: GateReport) -> Figure:
+    """One panel per category: grouped bars of the mean gate per category value, one bar per gated layer, and a
+    black tick for the mean over all gated layers; tick labels give the token counts."""
+    tables = report.categories
+    widths = [max(len(t.values), 2) for t in tables.values()]
+    fig = Figure(figsize=(2.0 + 0.75 * sum(widths), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(tables), width_ratios=widths, sharey=True, squeeze=False)[0]
+    cmap = colormaps["viridis"]
+    n_layers = len(report.layers)
+    bar = 0.8 / n_layers
+    for ax, (name, table) in zip(axes, tables.items(), strict=True):
+        x = np.arange(len(table.values))
+        for row, layer in enumerate(report.layers):
+            ax.bar(x - 0.4 + bar * (row + 0.5), table.layer_means[:, row], bar, color=cmap(row / max(n_layers - 1, 1)),
+                   label=f"layer {layer}")
+        ax.scatter(x, table.means, marker="_", s=400, color="black", zorder=3, label="all layers")
+        ax.set_xticks(x, [f"{v}\nn={n}" for v, n in zip(table.values, table.counts, strict=True)], fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.axhline(0, color="grey", linewidth=0.5)
+    axes[0].set_ylabel("mean gate")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7, frameon=False)
+    fig.suptitle(f"Gate by token category ({report.gate_fn}, {report.granularity})", fontsize=10)
+    return fig
+
+
+def _plot_vectors(ax: Axes, vectors: dict[str, np.ndarray]) -> None:
+    """1-D weights per layer (ResFormer λ: layers 1..L-1) as lines on shared axes."""
+    for name, v in vectors.items():
+        ax.plot(np.arange(1, len(v) + 1), v, marker="o", label=name)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("weight")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.legend(fontsize=8)
+
+
+def _plot_matrix(fig: Figure, ax: Axes, family: str, name: str, matrix: np.ndarray) -> None:
+    rows, cols = matrix.shape
+    row_label, col_label, first = MATRIX_AXES.get(family, ("row", "column", 0))
+    missing = np.zeros_like(matrix, dtype=bool)
+    if first == 1 and cols == rows + 1:  # a source j > block i does not exist: grey it out rather than show a zero
+        missing |= np.arange(cols)[None, :] > np.arange(1, rows + 1)[:, None]
+    if family == "muddformer" and name != "static_r":  # the last depth aggregate produces only R
+        missing[-1] = True
+    matrix = np.ma.masked_array(matrix, missing)
+    cmap = colormaps["RdBu_r"].with_extremes(bad="0.8")
+    norm = _norm(np.ma.compressed(matrix), signed=True)
+    image = ax.imshow(matrix, cmap=cmap, norm=norm, aspect="auto")
+    fig.colorbar(image, ax=ax)
+    if rows * cols <= ANNOTATE_MAX_CELLS:
+        for r, c in zip(*np.nonzero(~missing), strict=True):
+            _text(ax, r, c, f"{matrix[r, c]:.2f}", cmap(norm(matrix[r, c])))
+    if family == "hyperconnections":
+        ax.set_yticks(range(rows), [f"{'am'[k % 2]}{k // 2}" for k in range(rows)], fontsize=7)
+    else:
+        ax.set_yticks(range(rows), [str(first + r) for r in range(rows)], fontsize=7)
+    ax.set_xticks(range(cols), [str(c) for c in range(cols)], fontsize=7)
+    ax.set_xlabel(col_label, fontsize=8)
+    ax.set_ylabel(row_label, fontsize=8)
+    ax.set_title(name, fontsize=9)
+
+
+def plot_static_weights(model: nn.Module) -> dict[str, Figure]:
+    """One figure per family of ``model.mixing_weights()`` (``resformer``, ``denseformer``, ``hyperconnections``,
+    ``muddformer``): 1-D weights as lines per layer, 2-D ones as annotated heatmaps. Empty for a Transformer or
+    SATFormer."""
+    families: dict[str, dict[str, np.ndarray]] = {}
+    for key, tensor in model.mixing_weights().items():
+        family, _, name = key.partition("/")
+        families.setdefault(family, {})[name] = tensor.detach().float().cpu().numpy()
+    figures = {}
+    for family, weights in families.items():
+        vectors = {k: v for k, v in weights.items() if v.ndim == 1}
+        matrices = {k: v for k, v in weights.items() if v.ndim == 2}
+        panels = (1 if vectors else 0) + len(matrices)
+        fig = Figure(figsize=(0.5 + 4.2 * panels, 3.8), layout="constrained")
+        axes = list(fig.subplots(1, panels, squeeze=False)[0])
+        if vectors:
+            _plot_vectors(axes.pop(0), vectors)
+        for ax, (name, matrix) in zip(axes, matrices.items(), strict=True):
+            _plot_matrix(fig, ax, family, name, matrix)
+        fig.suptitle(f"{family}: static mixing weights", fontsize=10)
+        figures[family] = fig
+    return figures
+
+
+def value_access(model: nn.Module, report: GateReport | None = None) -> dict[int, float] | None:
+    """Per layer, the coefficient on V_1 in V'_n: SATFormer's mean gate (from ``report``), the learnable ResFormer's
+    λ1 (its λ2 multiplies V_n, SATFormer's V_n coefficient is 1), 0.5 for the fixed ResFormer; None otherwise."""
+    if report is not None:
+        return {layer: float(report.mean[row].mean()) for row, layer in enumerate(report.layers)}
+    weights = model.mixing_weights()
+    if "resformer/lambda1" in weights:
+        return {n + 1: float(v) for n, v in enumerate(weights["resformer/lambda1"].tolist())}
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "arch", None) == "resformer" and cfg.resformer.mode == "fixed":
+        return {n: 0.5 for n in range(1, cfg.n_layers)}
+    return None
+
+
+def plot_value_access(curves: Mapping[str, Mapping[int, float]]) -> Figure:
+    """Value access per layer for several models on one axes, e.g. ``{"satformer": value_access(sat, report),
+    "resformer": value_access(res)}``: dynamic (mean gate) against static (λ1) access to V_1."""
+    fig = Figure(figsize=(5.5, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for name, curve in curves.items():
+        layers = sorted(curve)
+        ax.plot(layers, [curve[n] for n in layers], marker="o", label=name)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("weight on V_1 (mean gate or λ1)")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_title("Value access per layer", fontsize=10)
+    if curves:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def gate_figures(report: GateReport | None, model: nn.Module) -> dict[str, Figure]:
+    """Every figure for one model, keyed by artifact path: ``heatmap``, ``categories`` and ``value_access`` when
+    available, and ``mixing/<family>`` for its static mixing weights."""
+    figures = {}
+    if report is not None:
+        figures["heatmap"] = plot_gate_heatmap(report)
+        figures["categories"] = plot_gate_categories(report)
+    curve = value_access(model, report)
+    if curve:
+        figures["value_access"] = plot_value_access({getattr(model.cfg, "arch", "model"): curve})
+    figures.update({f"mixing/{name}": fig for name, fig in plot_static_weights(model).items()})
+    return figures
+
+
+def save_figures(figures: Mapping[str, Figure], directory: str | Path, dpi: int = 120) -> list[Path]:
+    """Write each figure to ``<directory>/<name>.png`` (names may contain ``/``); returns the paths."""
+    paths = []
+    for name, fig in figures.items():
+        path = Path(directory) / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+        paths.append(path)
+    return paths
+
