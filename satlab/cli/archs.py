@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from rich.console import Console
 from rich.table import Table
 
 from satlab.config.model import GATE_FUNCTIONS, GATE_GRANULARITIES, SIZE_PRESETS
+from satlab.console import console as make_console
 
 # (label, model-config overrides) for every registered architecture and its named variants.
 VARIANTS: list[tuple[str, dict]] = [
@@ -63,5 +63,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    Console().print(archs_table(args.size, args.seq_len, args.all_gate_functions))
+    make_console().print(archs_table(args.size, args.seq_len, args.all_gate_functions))
     return 0

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
 from satlab.cli.train_args import split_experiment
 from satlab.config.derived import derive_schedule
 from satlab.config.display import print_config
 from satlab.config.loader import load_experiment
+from satlab.console import console as make_console
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,4 +48,4 @@ def print_plan(cfg) -> None:
         ("estimated time on this CPU", f"{cfg.train.max_tokens / cpu_rate / 60:.1f} min (at 50 % of its fp32 peak)"),
     ]:
         table.add_row(name, value)
-    Console().print(table)
+    make_console().print(table)

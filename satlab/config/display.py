@@ -17,6 +17,7 @@ from rich.syntax import Syntax
 from satlab.config.errors import ConfigError
 from satlab.config.loader import config_from_dict
 from satlab.config.schema import ExperimentConfig
+from satlab.console import console as make_console
 
 Param = str | int | float | bool
 
@@ -50,7 +51,7 @@ def flatten(cfg: ExperimentConfig) -> dict[str, Param]:
 
 def print_config(cfg: ExperimentConfig, console: Console | None = None) -> None:
     """Print the config as syntax-highlighted YAML in a panel titled with its name and description."""
-    console = console if console is not None else Console()
+    console = console if console is not None else make_console()
     body = Syntax(to_yaml(cfg).rstrip(), "yaml", theme="ansi_dark", background_color="default", word_wrap=True)
     title = f"[bold]experiment[/] [cyan]{cfg.name}[/]"
     console.print(Panel(body, title=title, subtitle=cfg.description or None, expand=False, border_style="blue"))

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from satlab.config.schema import ExperimentConfig
+from satlab.console import console as make_console
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -36,4 +37,4 @@ def print_summary(cfg: ExperimentConfig, result, console: Console | None = None)
         ]
     for row in rows:
         table.add_row(*row)
-    (console or Console()).print(table)
+    (console or make_console()).print(table)

@@ -1,0 +1,1 @@
+"""Benchmarks: interleaved training throughput, memory and MFU per architecture; Lightning's overhead."""

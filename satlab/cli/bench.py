@@ -1,0 +1,85 @@
+"""`satlab bench`: training throughput, memory and MFU of several architectures side by side (`make bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.model import ARCHITECTURE_NAMES, SIZE_PRESETS
+from satlab.console import console as make_console
+
+
+def run(args: argparse.Namespace) -> int:
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    problems = [unknown_name("architecture", a, ARCHITECTURE_NAMES) for a in archs if a not in ARCHITECTURE_NAMES]
+    if args.size not in SIZE_PRESETS:
+        problems.append(unknown_name("size", args.size, SIZE_PRESETS))
+    if problems:
+        raise ConfigError(problems)
+    from satlab.bench.throughput import run_bench
+
+    results = run_bench(archs, args.size, args.batch, args.seq_len, args.rounds, args.warmup, args.device,
+                        args.precision, args.compile)
+    report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+              "results": [r.as_dict() for r in results]}
+    if not args.no_overhead:
+        from satlab.bench.overhead import lightning_overhead
+
+        report["lightning_overhead"] = lightning_overhead(size=args.size, batch=args.batch, seq_len=args.seq_len)
+    make_console().print(results_table(results, report.get("lightning_overhead"), args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    if not args.no_mlflow:
+        print(f"MLflow run {log_to_mlflow(report, out)} in experiment 'bench'")
+    return 0
+
+
+def results_table(results, overhead: dict | None, args) -> Table:
+    base = next((r for r in results if r.arch == "transformer"), results[0])
+    compiled = ", compiled" if args.compile else ""
+    table = Table(title=f"training throughput at size '{args.size}', batch {args.batch} x {args.seq_len}, "
+                        f"{args.precision}{compiled} (median of {args.rounds}, interleaved)")
+    for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch}", "memory GB",
+                   f"mem vs {base.arch}", "TFLOP/s", "MFU", "compile s"):
+        table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
+    for r in results:
+        table.add_row(r.arch, f"{r.params / 1e6:.2f} M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
+                      f"{r.tokens_per_sec:,.0f}", f"{r.tokens_per_sec / base.tokens_per_sec:.3f}",
+                      f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
+                      "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}")
+    if overhead:
+        table.caption = (f"Lightning / bare PyTorch loop step time: {overhead['ratio']:.3f} "
+                         f"({1e3 * overhead['lightning_step_s']:.1f} ms vs {1e3 * overhead['bare_step_s']:.1f} ms)")
+    return table
+
+
+def log_to_mlflow(report: dict, json_path: Path) -> str:
+    """One MLflow run in experiment 'bench' with every number of the table and the JSON as an artifact."""
+    import mlflow
+
+    from satlab.training.tracking import provenance_tags, resolve_tracking
+
+    uri, artifacts = resolve_tracking(None, None)
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("bench")
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment("bench", artifacts)
+    run = client.create_run(experiment_id, run_name=f"bench-{report['settings']['size']}",
+                            tags=provenance_tags("+".join(r["arch"] for r in report["results"]), "bench"))
+    for key, value in report["settings"].items():
+        client.log_param(run.info.run_id, key, value)
+    for r in report["results"]:
+        for key in ("tokens_per_sec", "median_step", "spread", "peak_mem_gb", "tflops", "mfu", "compile_seconds",
+                    "flops_per_token", "params"):
+            if r[key] is not None:
+                client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]))
+    for key, value in (report.get("lightning_overhead") or {}).items():
+        client.log_metric(run.info.run_id, f"bench/lightning_overhead/{key}", float(value))
+    client.log_artifact(run.info.run_id, str(json_path))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id

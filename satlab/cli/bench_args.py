@@ -1,0 +1,23 @@
+"""Arguments of `satlab bench` (kept apart so `satlab --help` does not import torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+ALL_ARCHS = "transformer,resformer,satformer,denseformer,hyperconnections,muddformer"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--archs", default=ALL_ARCHS, help=f"comma-separated architectures (default: {ALL_ARCHS})")
+    parser.add_argument("--size", default="tiny", help="model size preset (default: tiny)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--rounds", type=int, default=10, help="measured steps per architecture, interleaved")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per architecture first")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
+                        help="fp32 (the CPU default) or bf16 autocast (GPUs)")
+    parser.add_argument("--compile", action="store_true", help="per-block torch.compile; compile time reported apart")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the Lightning vs bare-loop measurement")
+    parser.add_argument("--out", default="reports/bench.json", help="JSON output (default: reports/bench.json)")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
