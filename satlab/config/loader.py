@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from satlab.config.errors import ConfigError, did_you_mean, unknown_name
 from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import (
+    MIX_SOURCES,
     PRECISIONS,
     RESUME_MODES,
     SOURCE_KINDS,
@@ -34,6 +35,8 @@ from satlab.config.schema import (
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
+MAX_MIX_SHARE = 0.5
+"""The largest share of the train tokens one ``data.mix`` source may take."""
 
 # A layer is (where it came from, its plain nested dict).
 Layer = tuple[str, Mapping[str, Any]]
@@ -238,6 +241,7 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
         value = attrgetter(key)(cfg)
         if value not in valid:
             problems.append(unknown_name(key, value, valid))
+    problems.extend(mix_problems(cfg.data.mix))
     if cfg.data.tokenizer.kind == "hub" and not cfg.data.tokenizer.name:
         problems.append("data.tokenizer.name is required when data.tokenizer.kind is 'hub'")
     max_seq_len = cfg.model.max_seq_len or SIZE_PRESETS.get(cfg.model.size, {}).get("max_seq_len")
@@ -246,6 +250,21 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
     train = cfg.train
     problems.extend(batch_problems(train.global_batch_tokens, train.micro_batch_size, cfg.data.seq_len,
                                    train.devices * train.num_nodes))
+    return problems
+
+
+def mix_problems(mix: Mapping[str, float]) -> list[str]:
+    """``data.mix``: known source names only, each share in (0, MAX_MIX_SHARE], all together < 1."""
+    problems = []
+    for name, share in mix.items():
+        if name not in MIX_SOURCES:
+            problems.append(unknown_name("data.mix source", name, MIX_SOURCES))
+        elif isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= MAX_MIX_SHARE:
+            problems.append(f"data.mix.{name} must be in (0, {MAX_MIX_SHARE}] (its share of the train tokens), "
+                            f"got {share!r}; leave it out to mix nothing")
+    total = sum(v for v in mix.values() if isinstance(v, int | float))
+    if len(mix) > 1 and not total < 1:
+        problems.append(f"the shares of data.mix must sum to < 1 (the rest is the corpus), got {total!r}")
     return problems
 
 

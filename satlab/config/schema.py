@@ -14,6 +14,8 @@ SOURCE_KINDS = ("auto", "corpus", "files", "hub")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
 RESUME_MODES = ("auto", "never")
+MIX_SOURCES = ("recall",)
+"""Synthetic document sources ``data.mix`` can mix into the train split (see ``satlab.data.synthetic``)."""
 
 
 @dataclass
@@ -32,6 +34,12 @@ class DataConfig:
 
     ``source`` is an embedded corpus name (``shakespeare``, ``kjv``, ``pystdlib``), a local file, folder or glob
     (text, jsonl or parquet), or a Hugging Face hub dataset name; ``source_kind: auto`` decides in that order.
+
+    ``mix`` maps a synthetic source (``recall``: associative-recall documents) to its share of the TRAIN tokens, e.g.
+    ``{recall: 0.1}`` gives 90 % corpus, 10 % synthetic documents interleaved between corpus documents in a seeded
+    order; each share in (0, 0.5], all together < 1; ``{}`` (the default) mixes nothing. Validation and test stay
+    the pure corpus, so validation loss compares across runs with and without a mix, and the BPE tokenizer is
+    trained on the corpus only, so the corpus is tokenized the same either way.
     """
 
     source: str = "shakespeare"
@@ -45,6 +53,7 @@ class DataConfig:
     cache_dir: str = ".cache/satlab"
     num_workers: int = 0
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    mix: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +98,7 @@ class TrainConfig:
     out_dir: str = "runs"
     resume: str = "auto"
     log_every_n_steps: int = 10
+    max_skipped_steps: int = 20  # steps with a non-finite loss or gradient norm skipped before the run stops
     max_time_minutes: float | None = None
 
 

@@ -4,10 +4,16 @@ Steps, each cached under ``data.cache_dir`` and skipped when its cache entry exi
 
 1. resolve ``data.source`` and write its documents into jsonl split files (``corpora/<name>/`` or
    ``sources/<hash>/``);
-2. build the tokenizer (a ``bpe`` one is trained on the train split; ``tokenizers/``);
+2. build the tokenizer (a ``bpe`` one is trained on the corpus' train split, never on synthetic documents;
+   ``tokenizers/``);
 3. tokenize every split into ``tokens/<hash>/{train,validation,test}.bin`` with ``meta.json`` and a copy of the
    tokenizer; the hash covers the source identity, the split files (so the split rule and content), the tokenizer
-   fingerprint and the packing format.
+   fingerprint and the packing format;
+4. with ``data.mix``, rewrite ``train.bin`` with synthetic documents interleaved (:mod:`satlab.data.synthetic`); the
+   mix is then part of the hash (a mixed and an unmixed run never share token files) and ``meta.json`` records it
+   under ``mix`` (requested and achieved shares, tokens and documents per source); ``tokens.train`` counts them
+   all. Validation and test are never mixed, and a ``bpe`` tokenizer is trained on the corpus alone, so those
+   files are identical with and without a mix.
 
 A second call with the same configuration only reads metadata. In a multi-process run call it on one process first
 (Lightning's ``prepare_data`` hook), then on all; concurrent calls are safe (writes are atomic) but duplicate work.
@@ -34,6 +40,7 @@ from satlab.data.common import (
 )
 from satlab.data.packing import open_tokens, pack_splits, split_path
 from satlab.data.sources import load_documents, prepare_split_files, resolve_source
+from satlab.data.synthetic import check_mix, mix_key, mix_train_split
 from satlab.data.tokenizer import TextTokenizer, build_tokenizer
 
 TOKENS_VERSION = 1
@@ -72,6 +79,7 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     """
     cache_dir = Path(data_cfg.cache_dir).expanduser()
     data_cfg = replace(data_cfg, cache_dir=str(cache_dir))
+    check_mix(data_cfg.mix)
     source = resolve_source(data_cfg)
     split_dir, split_meta = prepare_split_files(source, data_cfg, progress)
     require_nonempty_splits(split_meta, source.description)
@@ -83,20 +91,25 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
         num_train_documents=split_meta["documents"]["train"],
         progress=progress,
     )
-    key = stable_hash(
-        {
-            "version": TOKENS_VERSION,
-            "source": source.identity,
-            "split_rule": split_meta["split_rule"],
-            "split_files": split_meta["sha256"],
-            "tokenizer": tokenizer.fingerprint,
-        }
-    )
+    key_fields = {
+        "version": TOKENS_VERSION,
+        "source": source.identity,
+        "split_rule": split_meta["split_rule"],
+        "split_files": split_meta["sha256"],
+        "tokenizer": tokenizer.fingerprint,
+    }
+    if data_cfg.mix:  # only then, so unmixed caches keep their keys
+        key_fields["mix"] = mix_key(data_cfg.mix)
+    key = stable_hash(key_fields)
     target = cache_dir / "tokens" / key
     meta = read_json(target / META_FILE)
     if meta is None:
         with atomic_directory(target) as tmp:
             packed = pack_splits(load_documents(split_dir), split_meta["documents"], tokenizer, tmp, progress)
+            mix = {}
+            if data_cfg.mix:
+                mix = {"mix": mix_train_split(tmp, tokenizer, packed["dtype"], data_cfg.mix, progress)}
+                packed["tokens"]["train"] = sum(mix["mix"]["tokens"].values())
             meta = {
                 "key": key,
                 "format_version": TOKENS_VERSION,
@@ -106,6 +119,7 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
                 "documents": split_meta["documents"],
                 "text_bytes": split_meta["text_bytes"],
                 **packed,
+                **mix,
                 "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id,
                 "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name, "fingerprint": tokenizer.fingerprint},

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import random
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -38,6 +41,8 @@ class LMModule(L.LightningModule):
         self.tokens_seen = 0
         self._configured = False
         self._step_losses: list[torch.Tensor] = []
+        self.skipped_steps = 0
+        self.stop_reason: str | None = None
 
     def configure_model(self) -> None:
         """Per-block compile, then FSDP2 sharding under the model-parallel strategy (see ``parallel.py``)."""
@@ -78,8 +83,27 @@ class LMModule(L.LightningModule):
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if hasattr(total, "full_tensor"):  # FSDP2 shards gradients as DTensors
             total = total.full_tensor()
-        self.log("train/grad_norm", total)
+        if not (torch.isfinite(step_loss) and torch.isfinite(total)):
+            self._skip_step(step_loss, total)
+        else:
+            self.log("train/grad_norm", total)
+        self.log("train/skipped_steps", float(self.skipped_steps))
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Drop this step's gradients (AdamW leaves parameters without a gradient untouched) and count it; past
+        ``train.max_skipped_steps`` the run stops with :attr:`stop_reason` set."""
+        for p in self.model.parameters():
+            p.grad = None
+        self.skipped_steps += 1
+        limit = self.cfg.train.max_skipped_steps
+        print(f"satlab: step {self.global_step} skipped: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} "
+              f"({self.skipped_steps} skipped so far, limit {limit})")
+        if self.skipped_steps > limit:
+            self.stop_reason = (f"{self.skipped_steps} steps had a non-finite loss or gradient norm (limit "
+                                f"train.max_skipped_steps={limit}); the model diverged — lower optim.lr, raise "
+                                "optim.warmup_fraction or check the data")
+            self.trainer.should_stop = True
 
     def validation_step(self, batch, batch_idx: int) -> None:
         idx, targets = batch
@@ -94,6 +118,13 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is not None:
             checkpoint[CHECKPOINT_KEY] = satlab_entry(self.cfg, self.tokenizer)
+        checkpoint["satlab_train_state"] = {"skipped_steps": self.skipped_steps, "rng": rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("satlab_train_state", {})
+        self.skipped_steps = state.get("skipped_steps", 0)
+        if "rng" in state:
+            set_rng_state(state["rng"])
 
     def configure_optimizers(self):
         optim = self.cfg.optim
@@ -123,3 +154,25 @@ def parameter_groups(model, weight_decay: float, decay_all: bool, lr: float, gat
          "lr": lr * (gate_lr_multiplier if is_gate else 1.0)}
         for (decay, is_gate), params in sorted(buckets.items())
     ]
+
+
+def rng_state() -> dict:
+    """torch, CUDA, numpy and Python RNG states as tensors and plain data (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": repr(random.getstate()),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    random.setstate(ast.literal_eval(state["python"]))

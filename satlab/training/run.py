@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import flatten, to_yaml
@@ -23,10 +24,16 @@ from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
 from satlab.training.perf import ThroughputCallback
+from satlab.training.resilience import AtomicCheckpointIO, CheckpointOnSigterm, find_resume_checkpoint
 from satlab.training.summary import print_summary
 from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_tracking
 
 RUN_INFO = "run.json"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (for example after too many non-finite steps); the message says why and where its
+    last checkpoint is."""
 
 
 @dataclass
@@ -49,10 +56,10 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
     """(run dir, checkpoint to resume from or None, saved run info). ``resume: auto`` continues ``runs/<name>``
     from its last checkpoint; ``never`` starts a new numbered directory rather than touching an earlier run."""
     base = Path(cfg.train.out_dir) / cfg.name
-    last = base / "checkpoints" / "last.ckpt"
-    if cfg.train.resume == "auto" and last.exists():
+    resume_from = find_resume_checkpoint(base / "checkpoints") if cfg.train.resume == "auto" else None
+    if resume_from is not None:
         info_path = base / RUN_INFO
-        return base, last, json.loads(info_path.read_text()) if info_path.exists() else {}
+        return base, resume_from, json.loads(info_path.read_text()) if info_path.exists() else {}
     run_dir, n = base, 1
     while (run_dir / "checkpoints").exists():
         n += 1
@@ -114,17 +121,23 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
 
     throughput = ThroughputCallback(flops, schedule.tokens_per_step)
-    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, *callbacks], progress)
+    sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
+    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, *callbacks], progress)
     initial_val = None
     try:
         if ckpt_path is None:
             initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+        if module.stop_reason is not None:
+            trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+            raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
+                                  f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
         train_loss = trainer.callback_metrics.get("train/loss")
         final_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
     except BaseException as error:
         if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
-            logger.finalize("KILLED" if isinstance(error, KeyboardInterrupt) else "failed")
+            logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
+            logger.finalize("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "failed")
         raise
     result = RunResult(
         run_dir=run_dir,
@@ -185,4 +198,5 @@ def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logge
         # state as inference tensors, which the validations during fit may not update.
         inference_mode=False,
         default_root_dir=run_dir,
+        plugins=[AtomicCheckpointIO()],
     )

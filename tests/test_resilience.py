@@ -1,0 +1,117 @@
+"""Nothing a user ran is lost: a run killed with SIGKILL resumes to exactly the losses of an uninterrupted one,
+SIGTERM writes a checkpoint first, a corrupt checkpoint is skipped, and a diverging run stops itself cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import mlflow
+import pytest
+
+from satlab.config.loader import load_experiment
+from satlab.training.run import TrainingStopped, train
+
+STEPS = 80
+BASE = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=128",
+    "data.source=kjv", "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=16",
+    f"train.global_batch_tokens=1024", f"train.max_tokens={STEPS * 1024}", "train.val_every_tokens=1000000",
+    "train.val_tokens=1024", "train.ckpt_every_tokens=10240", "train.log_every_n_steps=1",
+    "train.deterministic=true", "train.accelerator=cpu", "train.keep_last_k=3",
+]
+
+
+def args_for(tmp_path, name: str, *extra: str) -> list[str]:
+    return [*BASE, f"name={name}", f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / 'runs'}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}", *extra]
+
+
+def start(tmp_path, name: str, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "satlab.cli.main", "train", "--no-progress",
+                             *args_for(tmp_path, name, *extra)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def wait_for_checkpoint(tmp_path, name: str, proc: subprocess.Popen) -> None:
+    folder = tmp_path / "runs" / name / "checkpoints"
+    deadline = time.time() + 240
+    while not list(folder.glob("step*.ckpt")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def losses_by_step(tmp_path, name: str) -> tuple[dict[int, float], str]:
+    """The last logged train/loss of every step (a resumed run logs the steps after its checkpoint again)."""
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name(name).experiment_id])[0]
+    latest: dict[int, tuple[int, float]] = defaultdict(lambda: (-1, 0.0))
+    for m in client.get_metric_history(run.info.run_id, "train/loss"):
+        if m.timestamp >= latest[m.step][0]:
+            latest[m.step] = (m.timestamp, m.value)
+    return {step: value for step, (_, value) in latest.items()}, run.info.status
+
+
+def test_sigkill_then_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
+    finish(start(tmp_path, "whole"))
+    proc = start(tmp_path, "killed")
+    wait_for_checkpoint(tmp_path, "killed", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    interrupted, _ = losses_by_step(tmp_path, "killed")
+    assert len(interrupted) < STEPS, "the kill must land before the run finished"
+    checkpoint_step = min(int(p.stem.removeprefix("step"))
+                          for p in (tmp_path / "runs" / "killed" / "checkpoints").glob("step*.ckpt"))
+    finish(start(tmp_path, "killed"))
+    whole, _ = losses_by_step(tmp_path, "whole")
+    resumed, status = losses_by_step(tmp_path, "killed")
+    assert status == "FINISHED" and len(whole) == STEPS
+    assert set(range(checkpoint_step, STEPS)) <= set(resumed)  # every step after the checkpoint was trained again
+    assert all(resumed[step] == whole[step] for step in resumed), "losses differ after resuming"
+
+
+def test_sigterm_writes_a_checkpoint_then_the_run_resumes_in_the_same_mlflow_run(tmp_path):
+    proc = start(tmp_path, "preempted")
+    wait_for_checkpoint(tmp_path, "preempted", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "SIGTERM received; checkpoint written" in err
+    _, status = losses_by_step(tmp_path, "preempted")
+    assert status == "KILLED"
+    finish(start(tmp_path, "preempted"))
+    losses, status = losses_by_step(tmp_path, "preempted")
+    assert status == "FINISHED" and len(losses) == STEPS
+
+
+def test_a_corrupt_last_checkpoint_is_kept_aside_and_the_previous_one_is_used(tmp_path):
+    cfg = load_experiment("default", args_for(tmp_path, "corrupt", "train.max_tokens=30720"))
+    first = train(cfg, progress=False)
+    last = first.run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])
+    resumed = train(load_experiment("default", args_for(tmp_path, "corrupt", "train.max_tokens=40960")),
+                    progress=False)
+    assert (first.run_dir / "checkpoints" / "last.ckpt.corrupt").exists()
+    assert resumed.mlflow_run_id == first.mlflow_run_id and resumed.tokens == 40960
+
+
+def test_a_diverging_run_skips_non_finite_steps_then_stops_with_a_checkpoint(tmp_path):
+    cfg = load_experiment("default", args_for(tmp_path, "diverge", "optim.lr=1e6", "optim.warmup_fraction=0",
+                                              "optim.grad_clip=0", "train.max_skipped_steps=2"))
+    with pytest.raises(TrainingStopped, match="max_skipped_steps=2"):
+        train(cfg, progress=False)
+    assert (tmp_path / "runs" / "diverge" / "checkpoints" / "last.ckpt").exists()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("diverge").experiment_id])[0]
+    assert run.info.status == "FAILED" and run.data.metrics["train/skipped_steps"] == 3
+    assert "diverged" in run.data.tags["stop_reason"]
