@@ -47,6 +47,8 @@ class LMDataModule(L.LightningDataModule):
         for key in ("source", "python_version"):
             if key in meta:
                 facts[f"data.{key}"] = str(meta[key])
+        for source, share in meta.get("mix", {}).get("share", {}).items():
+            facts[f"data.mix_share_{source}"] = round(float(share), 5)
         return facts
 
     def train_dataloader(self) -> DataLoader:
