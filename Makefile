@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup train test test-full lint archs bench ui clean
+.PHONY: help setup train test test-full lint archs bench gpu-check ui clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -59,6 +59,9 @@ ui: $(STAMP) ## MLflow UI over the local store on http://127.0.0.1:5000 (UI_HOST
 
 bench: $(STAMP) ## interleaved throughput/memory/MFU of all architectures (SIZE=tiny, ARGS="--compile ...")
 	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(ARGS)
+
+gpu-check: $(STAMP) ## on a CUDA machine: compile + bf16 steps of every arch, bench at small, FSDP if >1 GPU (<8 min)
+	bash scripts/gpu_check.sh
 
 clean: ## remove caches (keeps .venv, runs and mlruns)
 	rm -rf .pytest_cache .ruff_cache .cache
