@@ -12,6 +12,11 @@ import sys
 COMMANDS = {
     "train": ("train", "train an experiment preset (make train), resumable with train.resume=auto"),
     "archs": ("archs", "list every architecture and variant with parameter counts"),
+    "sweep": ("sweep", "run, resume or join an Optuna sweep of a sweeps/*.yaml spec (make sweep), or --dashboard"),
+    "bench": ("bench", "interleaved training throughput, memory and MFU per architecture (make bench)"),
+    "eval": ("eval", "evaluate a checkpoint with lm-eval: the offline suite, the paper's groups or any task"),
+    "ablate": ("ablate", "run or resume an ablation grid of experiments/ablations/*.yml (make ablate, make reproduce)"),
+    "report": ("report", "write an ablation's report (markdown, HTML, MLflow artifacts) from its runs"),
 }
 
 
@@ -43,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from satlab.config.errors import ConfigError
+    from satlab.config.errors import ConfigError, RunStopped
 
     try:
         return importlib.import_module(f"satlab.cli.{args._module}").run(args)
     except ConfigError as error:
         print(f"satlab {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except RunStopped as error:
+        print(f"satlab {args.command}: stopped: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -33,3 +33,8 @@ def unknown_name(kind: str, name: str, valid: Iterable[str]) -> str:
     """One-line message for an unknown name, listing what is valid."""
     valid = sorted(valid)
     return f"unknown {kind} '{name}'{did_you_mean(name, valid)}; valid: {', '.join(valid)}"
+
+
+class RunStopped(RuntimeError):
+    """A run (training, trial, cell) stopped itself for a reason the user should read; the CLI prints the message
+    and exits with code 1."""

@@ -18,8 +18,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import flatten, to_yaml
+from satlab.config.errors import ConfigError, RunStopped
 from satlab.config.schema import ExperimentConfig
+from satlab.data.tokenizer import TextTokenizer
 from satlab.models import count_params, flops_per_token, non_embedding_params
+from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
@@ -31,7 +34,7 @@ from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_
 RUN_INFO = "run.json"
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(RunStopped):
     """The run stopped itself (for example after too many non-finite steps); the message says why and where its
     last checkpoint is."""
 
@@ -67,13 +70,34 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
     return run_dir, None, {}
 
 
-def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str) -> MLFlowLogger | None:
-    """The MLflow logger, on global rank 0 only: the other ranks of a DDP/FSDP run re-execute this script before the
-    Trainer exists, and must not open runs of their own."""
+def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None] | None:
+    """(tracking URI, artifact location) on global rank 0 when tracking is on, checked to be reachable before
+    anything is written; None elsewhere. The other ranks of a DDP/FSDP run re-execute this script before the Trainer
+    exists and must not open MLflow runs of their own."""
     if not cfg.tracking.enabled or rank_zero_only.rank != 0:
         return None
     uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
-    uri = ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local)
+    return ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local), artifacts
+
+
+def check_same_tokenizer(ckpt_path: Path, tokenizer) -> None:
+    """A run resumes only with the tokenizer it was trained with (else its embeddings would mean other tokens)."""
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    saved = TextTokenizer.from_dict(state[CHECKPOINT_KEY]["tokenizer"])
+    if saved.fingerprint != tokenizer.fingerprint:
+        raise ConfigError(
+            f"checkpoint {ckpt_path} was trained with tokenizer {saved.fingerprint} ({saved.kind}, vocab "
+            f"{saved.vocab_size}) but this config gives {tokenizer.fingerprint} ({tokenizer.kind}, vocab "
+            f"{tokenizer.vocab_size}); resume with the same data.tokenizer and data.source settings, or start a new "
+            "run (another name, or train.resume=never)"
+        )
+
+
+def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
+                target: tuple[str, str | None] | None) -> MLFlowLogger | None:
+    if target is None:
+        return None
+    uri, artifacts = target
     return MLFlowLogger(
         experiment_name=cfg.tracking.experiment or cfg.name,
         run_name=cfg.name,
@@ -98,7 +122,9 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
     run_dir, ckpt_path, info = run_directory(cfg)
     if ckpt_path is not None:
+        check_same_tokenizer(ckpt_path, data.tokenizer)
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
+    target = tracking_target(cfg, info)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     if rank_zero_only.rank == 0:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -108,7 +134,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     module = LMModule(cfg, schedule, data.tokenizer)
     flops = flops_per_token(module.model, cfg.data.seq_len)
 
-    logger = make_logger(cfg, run_dir, info, preset)
+    logger = make_logger(cfg, run_dir, info, preset, target)
     if logger is not None:
         info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
                 "experiment": logger._experiment_name}

@@ -1,0 +1,146 @@
+"""The bad-input catalogue: every mistake gets one clear message that names the bad value and what is valid, exit
+code 2, and nothing written (no run folder, no MLflow store)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+from satlab.cli.main import main
+
+# (id, arguments after `satlab`, fragments the message must contain)
+TRAIN_CASES = [
+    ("top-level key typo", ["optimm.lr=1e-3"], ["optimm", "did you mean 'optim'"]),
+    ("nested key typo", ["optim.lrr=1e-3"], ["optim.lrr", "did you mean 'lr'"]),
+    ("model key typo", ["model.n_head=4"], ["n_head", "did you mean 'n_heads'"]),
+    ("int field given text", ["train.max_tokens=lots"], ["train.max_tokens", "lots"]),
+    ("bool field given text", ["train.compile=maybe"], ["train.compile", "maybe"]),
+    ("negative learning rate", ["optim.lr=-0.001"], ["optim.lr", "-0.001"]),
+    ("zero token budget", ["train.max_tokens=0"], ["train.max_tokens", "0"]),
+    ("warmup fraction above 1", ["optim.warmup_fraction=1.5"], ["warmup_fraction", "1.5"]),
+    ("beta outside [0, 1)", ["optim.betas=[0.9,1.5]"], ["optim.betas", "1.5"]),
+    ("heads not dividing d", ["model.n_heads=5"], ["n_heads=5", "d_model=128", "valid head counts"]),
+    ("GQA not dividing heads", ["model.n_kv_heads=3"], ["n_kv_heads=3", "n_heads=4", "valid: 1, 2, 4"]),
+    ("sequence longer than RoPE", ["data.seq_len=4096"], ["seq_len", "4096", "max_seq_len"]),
+    ("unknown architecture", ["model.arch=satformr"], ["satformr", "did you mean 'satformer'", "transformer"]),
+    ("unknown gate function", ["model.satformer.gate_fn=gelu"], ["gelu", "relu", "softmax_sigmoid"]),
+    ("unknown gate granularity", ["model.satformer.gate_granularity=token_heads"],
+     ["token_heads", "did you mean 'token_head'"]),
+    ("last_k beyond depth", ["model.satformer.last_k=9"], ["last_k=9", "n_layers-1=5"]),
+    ("unknown size", ["model.size=huge"], ["huge", "tiny", "xl"]),
+    ("unknown precision", ["train.precision=fp8"], ["fp8", "bf16-mixed", "32-true"]),
+    ("unknown strategy", ["train.strategy=deepspeed"], ["deepspeed", "model_parallel", "fsdp"]),
+    ("unknown tokenizer kind", ["data.tokenizer.kind=wordpiece"], ["wordpiece", "bpe", "byte"]),
+    ("unknown resume mode", ["train.resume=sometimes"], ["sometimes", "auto", "never"]),
+    ("global batch not divisible", ["train.global_batch_tokens=10000"], ["10000", "nearest valid"]),
+    ("malformed override", ["optim.lr"], ["optim.lr", "key=value"]),
+    ("unknown preset", ["experiment=tiny/transformr"], ["tiny/transformr", "tiny/transformer"]),
+    ("missing preset file", ["experiment=./nowhere.yaml"], ["nowhere.yaml"]),
+    ("unknown data mix source", ["data.mix.recal=0.1"], ["recal", "did you mean 'recall'"]),
+    ("data mix share out of range", ["data.mix.recall=0.9"], ["data.mix.recall", "(0, 0.5]"]),
+    ("missing local data files", ["data.source_kind=files", "data.source=/nonexistent/corpus/*.txt"],
+     ["/nonexistent/corpus/*.txt"]),
+    ("misspelt embedded corpus", ["data.source=shakespear"], ["shakespear", "shakespeare"]),
+    ("plain-folder tracking store", ["tracking.uri=./mlruns-folder"], ["mlruns-folder", "sqlite:///"]),
+]
+
+
+def run_cli(argv: list[str], tmp_path, capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def isolated(tmp_path, *args: str) -> list[str]:
+    return ["train", *args, f"train.out_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"]
+
+
+def assert_nothing_written(tmp_path) -> None:
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+def test_bad_training_input_is_one_clear_usage_error(case, tmp_path, capsys):
+    _, args, fragments = case
+    argv = isolated(tmp_path, *args)
+    if any(a.startswith("tracking.uri=") for a in args):
+        argv = [a for a in argv if not a.startswith("tracking.uri=sqlite")]
+    code, err = run_cli(argv, tmp_path, capsys)
+    assert code == 2, err
+    assert err.startswith("satlab train: error:")
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in: {err}"
+    assert_nothing_written(tmp_path)
+
+
+def test_a_hub_dataset_while_offline_names_the_offline_alternatives(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = run_cli(isolated(tmp_path, "data.source=someone/some-dataset"), tmp_path, capsys)
+    assert code == 2 and "someone/some-dataset" in err and "shakespeare" in err
+    assert_nothing_written(tmp_path)
+
+
+def test_a_hub_tokenizer_while_offline_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = run_cli(isolated(tmp_path, "data.source=kjv", "data.tokenizer.kind=hub",
+                                 "data.tokenizer.name=meta-llama/Llama-2-7b-hf"), tmp_path, capsys)
+    assert code == 2 and "meta-llama/Llama-2-7b-hf" in err
+    assert_nothing_written(tmp_path)
+
+
+def test_an_unreachable_mlflow_server_fails_fast_before_anything_is_written(tmp_path, capsys):
+    argv = [a for a in isolated(tmp_path, "data.source=kjv", "data.tokenizer.kind=byte")
+            if not a.startswith("tracking.uri")] + ["tracking.uri=http://127.0.0.1:9"]
+    code, err = run_cli(argv, tmp_path, capsys)
+    assert code == 2 and "http://127.0.0.1:9" in err and "fallback_local" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resuming_with_another_tokenizer_is_refused(tmp_path, capsys):
+    from satlab.config.loader import load_experiment
+    from satlab.training.run import train
+
+    small = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+             "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=256", "train.max_tokens=512",
+             "train.val_tokens=256", "name=vocab"]
+    argv = isolated(tmp_path, *small)
+    train(load_experiment("default", [*argv[1:], "data.tokenizer.kind=byte"]), progress=False)
+    runs_before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    code, err = run_cli([*argv, "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300",
+                         "train.max_tokens=1024"], tmp_path, capsys)
+    assert code == 2 and "byte, vocab 258" in err and "bpe" in err and "train.resume=never" in err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
+
+
+class _Down(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # a server that answers, but not as MLflow: health checks fail with 503
+        self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_tracking_server_that_is_down_can_fall_back_to_the_local_store(tmp_path, capsys, monkeypatch):
+    from satlab.training import tracking
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Down)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setattr(tracking, "default_tracking_uri", lambda: f"sqlite:///{tmp_path / 'local' / 'mlflow.db'}")
+    try:
+        with pytest.raises(tracking.ConfigError, match="unreachable"):
+            tracking.ensure_reachable(uri, fallback_local=False)
+        assert tracking.ensure_reachable(uri, fallback_local=True).endswith("local/mlflow.db")
+        assert "logging to the local store" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
+def test_bench_rejects_an_unknown_architecture(capsys):
+    code = main(["bench", "--archs", "transformer,densformer"])
+    err = capsys.readouterr().err
+    assert code == 2 and "densformer" in err and "did you mean 'denseformer'" in err
