@@ -20,7 +20,7 @@ STEPS = 80
 BASE = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=128",
     "data.source=kjv", "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=16",
-    f"train.global_batch_tokens=1024", f"train.max_tokens={STEPS * 1024}", "train.val_every_tokens=1000000",
+    "train.global_batch_tokens=1024", f"train.max_tokens={STEPS * 1024}", "train.val_every_tokens=1000000",
     "train.val_tokens=1024", "train.ckpt_every_tokens=10240", "train.log_every_n_steps=1",
     "train.deterministic=true", "train.accelerator=cpu", "train.keep_last_k=3",
 ]
