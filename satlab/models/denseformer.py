@@ -49,8 +49,8 @@ class DenseFormerStream(ResidualStream):
             a = self.weights[str(i)]
             sources = dwa_sources(i, self.dilation)
             y = a[0] * outputs[sources[0]]
-            for m in range(1, len(sources)):
-                y = y + a[m] * outputs[sources[m]]
+            for m in range(1, len(sources)):  # fused multiply-adds over the kept outputs, no stacking
+                y = torch.addcmul(y, a[m], outputs[sources[m]])
         return y
 
     def mixing_weights(self) -> dict[str, Tensor]:

@@ -48,11 +48,13 @@ class DepthAggregate(nn.Module):
         last = sources[-1]
         weights = self.w2(F.gelu(self.w1(self.norm(last))))
         weights = weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
+        # One fused multiply-add per (stream, source): no stacking of the growing source list (which would copy
+        # O(L²) hidden states per forward pass); torch.compile fuses the chain further.
         outputs = []
         for c in range(self.n_outputs):
             acc = weights[..., c, 0:1] * sources[0]
             for j in range(1, self.n_sources):
-                acc = acc + weights[..., c, j : j + 1] * sources[j]
+                acc = torch.addcmul(acc, weights[..., c, j : j + 1], sources[j])
             outputs.append(acc)
         return outputs
 
