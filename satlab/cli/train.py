@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from rich.table import Table
 
@@ -21,10 +22,30 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(cfg)
         return 0
+    if args.no_progress:
+        os.environ["TQDM_DISABLE"] = "1"  # lm-eval's and the adapter's progress bars too
+    from satlab.evaluation.callback import EvaluationCallback
     from satlab.training.run import train
 
-    train(cfg, preset=experiment, progress=not args.no_progress)
+    evaluation = EvaluationCallback(cfg)
+    train(cfg, preset=experiment, progress=not args.no_progress, callbacks=[evaluation])
+    if evaluation.last_results:
+        print_evaluation(evaluation.last_results)
     return 0
+
+
+def print_evaluation(metrics: dict[str, float]) -> None:
+    """The end-of-run evaluation: suite averages, each task's primary metrics, and the gate summary."""
+    table = Table(title="evaluation at the end of the run", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key in sorted(metrics):
+        if key.startswith("eval/") and key.count("/") <= 2 or key in GATE_SUMMARY:
+            table.add_row(key, f"{metrics[key]:.4f}")
+    make_console().print(table)
+
+
+GATE_SUMMARY = ("gates/mean", "gates/sparsity", "gates/saturated_frac", "gates/dead_head_frac")
 
 
 def print_plan(cfg) -> None:

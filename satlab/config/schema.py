@@ -104,8 +104,15 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    """Evaluation inside a training run: lm-eval tasks and the gate analysis at the end (and every ``every_tokens``),
+    gate statistics at every validation. ``tasks`` are offline suite names (``satlab_offline`` is all of it) or,
+    online, any lm-eval task or group; ``limit`` caps the items per task."""
+
     every_tokens: int | None = None
     at_end: bool = True
+    tasks: list[str] = field(default_factory=lambda: ["satlab_offline"])
+    limit: int | None = None
+    gate_windows: int = 8
 
 
 @dataclass

@@ -158,6 +158,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
             raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
                                   f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # the final state, whatever the interval
         train_loss = trainer.callback_metrics.get("train/loss")
         final_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
     except BaseException as error:

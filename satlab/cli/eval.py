@@ -1,0 +1,91 @@
+"""`satlab eval ckpt=<checkpoint or run dir> tasks=... [limit=N] [device=cpu]`: evaluate a checkpoint with lm-eval,
+print the results, log them into the checkpoint's MLflow run (when its run directory holds a run.json) and
+optionally write them as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from satlab.cli.eval_args import parse_settings
+from satlab.config.errors import ConfigError
+from satlab.evaluation.tasks import chance_level, split_task_names
+
+RUN_INFO = "run.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = parse_settings(args.settings)
+    tasks = [t.strip() for t in settings.get("tasks", "satlab_offline").split(",") if t.strip()]
+    split_task_names(tasks)  # unknown satlab names fail before the checkpoint is loaded
+    numbers = {key: _positive_int(key, settings[key]) for key in ("limit", "batch_size", "threads") if key in settings}
+    seed = _positive_int("seed", settings.get("seed", "0"), minimum=0)
+    device = settings.get("device", "cpu")
+
+    import datasets
+    import torch
+
+    from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
+    from satlab.training.checkpoint import load_checkpoint
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device} asks for a GPU but torch sees none here; use device=cpu.")
+    datasets.disable_progress_bars()
+    if "threads" in numbers:
+        torch.set_num_threads(numbers["threads"])
+    loaded = load_checkpoint(settings["ckpt"], device)
+    data = loaded.cfg.data
+    results = run_tasks(loaded.model, loaded.tokenizer, tasks, numbers.get("limit"), data.cache_dir, seed,
+                        eval_corpus(data.source), data.val_fraction, numbers.get("batch_size"))
+    print_results(results, f"{loaded.path} (step {loaded.step})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if not args.no_mlflow:
+        run_id = log_to_run(loaded.path, metric_keys(results), loaded.step)
+        if run_id:
+            print(f"logged {len(metric_keys(results))} metrics into MLflow run {run_id} at step {loaded.step}")
+    return 0
+
+
+def print_results(results: dict[str, dict[str, float]], title: str) -> None:
+    table = Table(title=f"evaluation of {title}")
+    for column in ("task", "metric", "value", "chance"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for task, metrics in results.items():
+        chance = chance_level(task)
+        for metric, value in metrics.items():
+            shown = "" if chance is None or not metric.startswith("acc") else f"{chance:.2f}"
+            table.add_row(task, metric, f"{value:.4f}" if abs(value) < 1e6 else f"{value:.3e}", shown)
+    Console().print(table)
+
+
+def log_to_run(ckpt_path: Path, metrics: dict[str, float], step: int) -> str | None:
+    """Logs ``metrics`` at ``step`` into the MLflow run named by the run.json of the checkpoint's run directory;
+    returns that run's id, or None when there is no run.json."""
+    info_path = next((d / RUN_INFO for d in (ckpt_path.parent, ckpt_path.parent.parent) if (d / RUN_INFO).is_file()),
+                     None)
+    if info_path is None:
+        return None
+    import mlflow
+    from mlflow.entities import Metric
+
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    now = int(time.time() * 1000)
+    mlflow.MlflowClient(info["tracking_uri"]).log_batch(
+        info["mlflow_run_id"], metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
+    return info["mlflow_run_id"]
+
+
+def _positive_int(key: str, value: str, minimum: int = 1) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = minimum - 1
+    if number < minimum:
+        raise ConfigError(f"{key}={value} is not valid; it takes a whole number >= {minimum}.")
+    return number

@@ -1,0 +1,84 @@
+"""Evaluation inside a training run: gate statistics at every validation; the lm-eval suite, the gate heatmaps and
+the mixing-weight plots at the end (and every ``eval.every_tokens``), all in the run's own MLflow run."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import torch
+
+from satlab.config.schema import ExperimentConfig
+from satlab.evaluation.gate_logging import log_gate_analysis
+from satlab.evaluation.gates import analyze_gates
+from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
+
+
+class EvaluationCallback(L.Callback):
+    """Runs on every rank (a sharded model needs all of them for its forward pass) and logs from rank 0. The lm-eval
+    suite needs the whole model in one process, so distributed runs skip it and say so: evaluate their checkpoint
+    with `satlab eval` afterwards."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        self._gate_batch: torch.Tensor | None = None
+        self.last_results: dict[str, float] = {}
+
+    def _client(self, trainer):
+        logger = trainer.logger
+        return (logger.experiment, logger.run_id) if logger is not None and hasattr(logger, "run_id") else (None, None)
+
+    def _batch(self, trainer, pl_module) -> torch.Tensor:
+        """The first ``eval.gate_windows`` validation windows: the same tokens at every analysis and for every
+        architecture."""
+        if self._gate_batch is None:
+            windows = trainer.datamodule.val_dataloader().dataset
+            count = min(self.cfg.eval.gate_windows, len(windows))
+            self._gate_batch = torch.stack([windows[i][0] for i in range(count)])
+        return self._gate_batch.to(pl_module.device)
+
+    def _gates(self, trainer, pl_module, artifacts: bool) -> None:
+        with torch.compiler.set_stance("force_eager"):
+            report = analyze_gates(pl_module.model, self._batch(trainer, pl_module), trainer.datamodule.tokenizer)
+        client, run_id = self._client(trainer)
+        if not trainer.is_global_zero or client is None:
+            return
+        if artifacts:
+            self.last_results |= log_gate_analysis(client, run_id, report, pl_module.model, trainer.global_step)
+        elif report is not None:
+            for key, value in report.scalars().items():
+                client.log_metric(run_id, key, value, step=trainer.global_step)
+
+    def _suite(self, trainer, pl_module) -> None:
+        if trainer.world_size > 1:
+            if trainer.is_global_zero:
+                print("satlab: the lm-eval suite runs in one process; evaluate this distributed run's checkpoint "
+                      "with `satlab eval ckpt=...`", file=sys.stderr)
+            return
+        if not self.cfg.eval.tasks:
+            return
+        with torch.compiler.set_stance("force_eager"):
+            results = run_tasks(pl_module.model, trainer.datamodule.tokenizer, self.cfg.eval.tasks,
+                                limit=self.cfg.eval.limit, cache_dir=self.cfg.data.cache_dir,
+                                corpus=eval_corpus(self.cfg.data.source), val_fraction=self.cfg.data.val_fraction)
+        pl_module.model.train()
+        metrics = metric_keys(results)
+        self.last_results |= metrics
+        client, run_id = self._client(trainer)
+        if client is not None:
+            for key, value in metrics.items():
+                client.log_metric(run_id, key, float(value), step=trainer.global_step)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        step, every = trainer.global_step, pl_module.schedule.eval_every_steps
+        periodic = bool(every) and step > 0 and step % every == 0
+        self._gates(trainer, pl_module, artifacts=periodic)
+        if periodic:
+            self._suite(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.cfg.eval.at_end:
+            self._gates(trainer, pl_module, artifacts=True)
+            self._suite(trainer, pl_module)
