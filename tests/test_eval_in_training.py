@@ -1,0 +1,38 @@
+"""A training run evaluates itself: gate statistics at every validation, and at the end the offline suite, the gate
+heatmap and the mixing plots, all in the run's own MLflow run."""
+
+from __future__ import annotations
+
+import mlflow
+
+from satlab.config.loader import load_experiment
+from satlab.evaluation.callback import EvaluationCallback
+from satlab.training.run import train
+
+
+def artifact_paths(client, run_id, path=None) -> list[str]:
+    found = []
+    for item in client.list_artifacts(run_id, path):
+        found += artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
+    return found
+
+
+def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
+    cfg = load_experiment("default", [
+        "model.d_model=32", "model.n_layers=3", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+        "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=256",
+        "train.max_tokens=2048", "train.val_every_tokens=1024", "train.val_tokens=256", "eval.limit=4",
+        "eval.tasks=[satlab_cloze_choice,satlab_mqar]", "name=evaluated", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.out_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ])
+    evaluation = EvaluationCallback(cfg)
+    result = train(cfg, progress=False, callbacks=[evaluation])
+    client = mlflow.MlflowClient(result.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert 0.0 <= run.data.metrics["eval/satlab_cloze_choice/acc"] <= 1.0
+    assert 0.0 <= run.data.metrics["eval/satlab_mqar/acc"] <= 1.0
+    sparsity_steps = [m.step for m in client.get_metric_history(run.info.run_id, "gates/sparsity")]
+    assert len(sparsity_steps) >= 2  # every validation during fit, and the end
+    artifacts = artifact_paths(client, run.info.run_id)
+    assert "gates/step_8/heatmap.png" in artifacts and "gates/step_8/gates.json" in artifacts
+    assert evaluation.last_results["eval/satlab_mqar/acc"] == run.data.metrics["eval/satlab_mqar/acc"]
