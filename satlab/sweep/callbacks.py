@@ -1,0 +1,127 @@
+"""The Lightning callback that ties one training run to its Optuna trial.
+
+optuna-integration's pruning callback reports once per epoch; satlab validates every ``train.val_every_tokens``
+inside one long epoch, so this callback reports after every validation instead, at ``tokens_seen`` (the pruner's
+step), and stops the run by raising :class:`TrialStopped`, which ``train()`` passes through after closing its MLflow
+run. Under DDP every rank computes the gate statistics (a forward pass is collective under FSDP) and rank 0 decides;
+the decision is broadcast so that all ranks stop together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import lightning as L
+import optuna
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+from satlab.evaluation.gates import analyze_gates
+from satlab.sweep.spec import SaturationGuard
+from satlab.sweep.study import RUN_ID, SATURATION, TOKENS
+
+SATURATION_METRIC = "gates/saturated_frac"
+
+
+class TrialStopped(Exception):
+    """Raised inside training to end a trial early; ``pruned`` tells PRUNED (the trial says something about its
+    region) from FAIL (it says nothing, e.g. out of memory)."""
+
+    def __init__(self, reason: str, pruned: bool = True, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.pruned = pruned
+
+
+class TrialCallback(L.Callback):
+    """Reports the objective metric at tokens seen, prunes when the pruner says so (reason ``pruned``), when the gate
+    saturation stays above the guard's threshold for ``patience`` validations (``gate_saturation``), or when a loss
+    is NaN/Inf (``nan``). ``last_metrics`` keeps every scalar of the latest validation, for the final objective.
+
+    ``trial`` is None on ranks other than 0.
+    """
+
+    def __init__(self, trial: optuna.Trial | None, guard: SaturationGuard, metric: str = "val/loss"):
+        self.trial = trial
+        self.guard = guard
+        self.metric = metric
+        self.last_metrics: dict[str, float] = {}
+        self.saturation_history: list[float] = []
+        self._streak = 0
+        self._windows: torch.Tensor | None = None
+        self._has_gates = True
+        self._run_recorded = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.trial is not None and not self._run_recorded and trainer.logger is not None:
+            self.trial.set_user_attr(RUN_ID, trainer.logger.run_id)
+            self._run_recorded = True
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Fix the validation windows the gate analysis runs on: the first ``guard.windows`` of the validation set."""
+        rows: list[torch.Tensor] = []
+        for idx, _ in trainer.datamodule.val_dataloader():
+            rows.extend(idx)
+            if len(rows) >= self.guard.windows:
+                break
+        self._windows = torch.stack(rows[: self.guard.windows]) if rows else None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        """Stop at the first non-finite training loss, or the first optimizer step the module skipped for a
+        non-finite loss or gradient, rather than at the next validation: in a sweep that learning rate has
+        diverged (a long run may ride out a few such steps; a sweep should not recommend them). The loss check is
+        single-process only: ranks could see it at different micro-batches, so DDP runs leave it to validation."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if trainer.world_size == 1 and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all():
+            raise TrialStopped("nan", detail=f"training loss {loss.item()} at {pl_module.tokens_seen:,} tokens")
+        if getattr(pl_module, "skipped_steps", 0):
+            raise TrialStopped("nan", detail=f"a step with a non-finite loss or gradient was skipped at "
+                                             f"{pl_module.tokens_seen:,} tokens")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last_metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()
+                                  if isinstance(v, torch.Tensor) and v.numel() == 1})
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # the validations before and after fit() are not steps of the trial
+        saturation = self._saturation(pl_module)
+        if saturation is not None:
+            self.last_metrics[SATURATION_METRIC] = saturation
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({SATURATION_METRIC: saturation}, step=trainer.global_step)
+        decision = self._decide(int(pl_module.tokens_seen), saturation) if trainer.is_global_zero else None
+        decision = trainer.strategy.broadcast(decision, src=0)
+        if decision is not None:
+            raise TrialStopped(*decision)
+
+    def _saturation(self, pl_module: L.LightningModule) -> float | None:
+        if not self._has_gates or self._windows is None:
+            return None
+        report = analyze_gates(pl_module.model, self._windows)
+        if report is None:
+            self._has_gates = False
+            return None
+        return report.scalars()[SATURATION_METRIC]
+
+    def _decide(self, tokens: int, saturation: float | None) -> tuple[str, bool, str] | None:
+        """(reason, pruned, detail) when the trial should stop now, else None. Rank 0 only."""
+        value = self.last_metrics.get(self.metric)
+        if value is not None and not math.isfinite(value):
+            return "nan", True, f"{self.metric} = {value} at {tokens:,} tokens"
+        if self.trial is None:
+            return None
+        self.trial.set_user_attr(TOKENS, tokens)
+        if value is not None:
+            self.trial.report(value, step=tokens)
+        if saturation is not None:
+            self.trial.set_user_attr(SATURATION, saturation)
+            self.saturation_history.append(saturation)
+            above = self.guard.threshold is not None and saturation > self.guard.threshold
+            self._streak = self._streak + 1 if above else 0
+            if self._streak >= self.guard.patience:
+                return ("gate_saturation", True, f"{saturation:.0%} of gates saturated for {self._streak} "
+                        f"validations (threshold {self.guard.threshold:.0%})")
+        if value is not None and self.trial.should_prune():
+            return "pruned", True, f"{self.metric} = {value:.4f} at {tokens:,} tokens"
+        return None
