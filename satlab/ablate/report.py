@@ -1,0 +1,191 @@
+"""The ablation report: ``report.md`` and ``report.html`` (plus figures and ``summary.json``) in the ablation's
+folder, and the same files as artifacts under ``report/`` on the parent run.
+
+Per group of cells (same values on every axis but the seed): mean ± std over seeds of the final validation loss,
+the offline zero-shot and retrieval averages, tokens/s, peak memory and gate sparsity, the parameter count, and
+Welch p-values against the baseline group. When ``model.arch`` is an axis, the paper's claims are checked on these
+numbers and stated plainly, held or not. A metric no run logged shows as "—".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlflow
+from markdown_it import MarkdownIt
+from rich.console import Console
+from rich.table import Table
+
+from satlab.ablate.plots import loss_curves, tile_images
+from satlab.ablate.results import COLUMNS, GroupResult, collect, download_heatmap
+from satlab.ablate.spec import AblationSpec, format_value
+from satlab.ablate.stats import Verdict, best_verdict, format_p, mean_std, ordering_verdict, welch_p
+
+ARCH_NAMES = {"transformer": "Transformer", "resformer": "ResFormer", "satformer": "SATFormer",
+              "denseformer": "DenseFormer", "hyperconnections": "Hyper-Connections", "muddformer": "MUDDFormer"}
+P_COLUMNS = {"val_loss": "p (loss)", "retrieval": "p (retrieval)"}
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
+        "table{border-collapse:collapse;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "th:first-child,td:first-child{text-align:left}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
+
+
+def group_labels(spec: AblationSpec, groups: Sequence[GroupResult]) -> dict[str, str]:
+    """Short names: the value alone when one axis varies besides the seed, else ``key=value`` with short keys."""
+    axes = spec.group_axes()
+    labels = {}
+    for group in groups:
+        if len(axes) == 1:
+            labels[group.label] = format_value(group.values[axes[0]])
+        else:
+            labels[group.label] = ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in
+                                            group.values.items()) or "all"
+    return labels
+
+
+def cell_text(values: list[float], fmt: str) -> str:
+    mean, std = mean_std(values)
+    if mean is None:
+        return "—"
+    return fmt.format(mean) + ("" if std is None else f" ± {fmt.format(std)}")
+
+
+def results_table(spec: AblationSpec, groups: Sequence[GroupResult], labels: dict[str, str]) -> list[list[str]]:
+    """Rows of the main table (header first)."""
+    baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
+    header = ["cell", "seeds", "params"]
+    for column in COLUMNS:
+        header.append(column.header)
+        if column.name in P_COLUMNS:
+            header.append(P_COLUMNS[column.name])
+    rows = [header]
+    for group in groups:
+        is_base = group is baseline
+        row = [labels[group.label] + (" (baseline)" if is_base else ""), f"{len(group.cells)}/{group.expected}",
+               f"{group.params:,}" if group.params else "—"]
+        for column in COLUMNS:
+            row.append(cell_text(group.samples(column.name), column.fmt))
+            if column.name in P_COLUMNS:
+                p = None if is_base or baseline is None else welch_p(group.samples(column.name),
+                                                                     baseline.samples(column.name))
+                row.append("baseline" if is_base else format_p(p))
+        rows.append(row)
+    return rows
+
+
+def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[Verdict]:
+    """The paper's claims on the architecture groups (other axes at their baseline values); none when
+    ``model.arch`` is not an axis."""
+    if "model.arch" not in spec.group_axes():
+        return []
+    others = {k: v for k, v in spec.baseline_values().items() if k != "model.arch"}
+    by_arch = {g.values["model.arch"]: g for g in groups if all(g.values[k] == v for k, v in others.items())}
+    loss = {arch: g.samples("val_loss") for arch, g in by_arch.items()}
+    retrieval = {arch: g.samples("retrieval") for arch, g in by_arch.items()}
+    return [
+        ordering_verdict(loss, ["satformer", "resformer", "transformer"],
+                         "SATFormer < ResFormer < Transformer in final validation loss", labels=ARCH_NAMES),
+        best_verdict(retrieval, "satformer", "SATFormer best on the retrieval average", labels=ARCH_NAMES),
+    ]
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str, out_dir: Path | None = None,
+                 console: Console | None = None) -> dict[str, Path]:
+    """Write the report files and log them on the parent run; returns ``{"markdown", "html", ...}`` paths."""
+    out = out_dir or spec.out_path()
+    out.mkdir(parents=True, exist_ok=True)
+    groups = collect(spec, client, parent_run_id)
+    labels = group_labels(spec, groups)
+    rows = results_table(spec, groups, labels)
+    verdicts = paper_verdicts(spec, groups)
+    files: dict[str, Path] = {}
+    curves = loss_curves(groups, labels, out / "loss_curves.png", f"{spec.name}: validation loss (mean over seeds)")
+    if curves is not None:
+        files["loss_curves"] = curves
+    heatmaps = []
+    for group in groups:
+        for cell in sorted(group.cells, key=lambda c: format_value(c.cell.seed)):
+            image = download_heatmap(client, cell.run_id, out / "heatmaps" / f"{cell.cell.slug}.png")
+            if image is not None:
+                heatmaps.append((f"{labels[group.label]} (seed {format_value(cell.cell.seed)})", image))
+                break
+    tiles = tile_images(heatmaps, out / "gate_heatmaps.png", f"{spec.name}: gate heatmaps (final step, one seed)")
+    if tiles is not None:
+        files["gate_heatmaps"] = tiles
+    text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri)
+    files["markdown"] = out / "report.md"
+    files["markdown"].write_text(text)
+    body = MarkdownIt("commonmark").enable("table").render(text)
+    files["html"] = out / "report.html"
+    files["html"].write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>ablation {spec.name}</title>"
+                             f"<style>{_CSS}</style></head><body>\n{body}</body></html>\n")
+    summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
+               "verdicts": [{"claim": v.claim, "held": v.held, "detail": v.detail} for v in verdicts],
+               "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
+    files["summary"] = out / "summary.json"
+    files["summary"].write_text(json.dumps(summary, indent=2))
+    for path in files.values():
+        client.log_artifact(parent_run_id, str(path), "report")
+    if console is not None:
+        print_summary(console, spec, rows, verdicts)
+        console.print(f"report: {files['markdown']} and {files['html']} (also on the parent run {parent_run_id})",
+                      soft_wrap=True)
+    return files
+
+
+def print_summary(console: Console, spec: AblationSpec, rows: list[list[str]], verdicts: list[Verdict]) -> None:
+    """The main table and the verdicts on the terminal."""
+    table = Table(title=f"ablation '{spec.name}' (mean ± std over seeds)")
+    for i, header in enumerate(rows[0]):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    console.print(table)
+    for verdict in verdicts:
+        console.print(f"- {verdict.sentence().replace('**', '')}", soft_wrap=True)
+
+
+def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
+                    verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str) -> str:
+    finished = sum(len(g.cells) for g in groups)
+    total = sum(g.expected for g in groups)
+    axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
+    fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
+    lines = [f"# Ablation `{spec.name}`", ""]
+    if spec.description:
+        lines += [spec.description, ""]
+    lines += [f"Base experiment `{spec.base}`; fixed overrides: {fixed}.", "",
+              f"Axes: {axes}; cells that differ only in `{spec.seed_key}` are grouped.", "",
+              f"Finished cells: {finished} of {total}. MLflow: `{tracking_uri}`, experiment `{spec.experiment_name}`, "
+              f"parent run `{parent_run_id}`.", "",
+              "## Results", "",
+              "Mean ± sample std over seeds. p: two-sided Welch t-test against the baseline group over seeds "
+              "(— when a side has fewer than two values). Throughput is the mean logged tokens/s; memory the peak; "
+              "gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run logged "
+              "(e.g. evaluation not run, or no gates).", "",
+              markdown_table(rows), ""]
+    if verdicts:
+        lines += ["## The paper's claims at this scale", ""]
+        lines += [f"- {v.sentence()}" for v in verdicts]
+        lines += ["", "Verdicts compare means; \"significant\" means Welch p < 0.05 over the seeds. They hold for "
+                  "this ablation's model size and token budget only.", ""]
+    lines += ["## Loss curves", ""]
+    lines += ["![validation loss](loss_curves.png)" if "loss_curves" in files else "No validation curve was logged.",
+              "", "## Gate heatmaps", ""]
+    lines += ["![gate heatmaps](gate_heatmaps.png)" if "gate_heatmaps" in files else
+              "No cell logged a gate heatmap (no gated architecture, or gate analysis not run).", ""]
+    lines += ["## Runs", "", "| cell | run | final val loss |", "|---|---|---|"]
+    results = {c.cell.key: c for g in groups for c in g.cells}
+    for cell in spec.cells():
+        result = results.get(cell.key)
+        loss = None if result is None else result.metrics.get("val_loss")
+        run = "not finished" if result is None else f"`{result.run_id}`"
+        lines.append(f"| `{cell.key}` | {run} | {'—' if loss is None else f'{loss:.4f}'} |")
+    return "\n".join(lines) + "\n"

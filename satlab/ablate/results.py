@@ -1,0 +1,129 @@
+"""Reading an ablation's results back from MLflow: per cell its final metrics, loss curve and gate heatmap, grouped
+over seeds. Only FINISHED child runs count (the newest one per cell); a metric a run never logged stays None, so
+the report can show it as missing rather than as zero."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Run
+
+from satlab.ablate.runs import CELL_TAG, child_runs
+from satlab.ablate.spec import AblationSpec, Cell
+
+
+@dataclass(frozen=True)
+class Column:
+    """A reported metric: its MLflow key and how a run's history becomes one number (last, mean or max)."""
+
+    name: str
+    header: str
+    key: str
+    reduce: str
+    fmt: str
+
+
+COLUMNS = (
+    Column("val_loss", "final val loss", "val/loss", "last", "{:.4f}"),
+    Column("zero_shot", "zero-shot avg", "eval/offline_zero_shot_avg", "last", "{:.3f}"),
+    Column("retrieval", "retrieval avg", "eval/offline_retrieval_avg", "last", "{:.3f}"),
+    Column("tokens_per_sec", "tokens/s", "perf/tokens_per_sec", "mean", "{:,.0f}"),
+    Column("peak_mem_gb", "peak mem (GB)", "perf/peak_mem_gb", "max", "{:.2f}"),
+    Column("gate_sparsity", "gate sparsity", "gates/sparsity", "last", "{:.2f}"),
+)
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    run_id: str
+    metrics: dict[str, float | None]
+    params: int | None
+    curve: list[tuple[float, float]]  # (tokens seen, val/loss)
+
+
+@dataclass
+class GroupResult:
+    """The cells of one group (same values on every axis but the seed)."""
+
+    label: str
+    values: dict
+    expected: int
+    cells: list[CellResult] = field(default_factory=list)
+
+    def samples(self, column: str) -> list[float]:
+        return [c.metrics[column] for c in self.cells if c.metrics.get(column) is not None]
+
+    @property
+    def params(self) -> int | None:
+        return next((c.params for c in self.cells if c.params is not None), None)
+
+
+def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str) -> list[GroupResult]:
+    """Every group of the grid in grid order (groups with no finished cell included, empty)."""
+    parent = client.get_run(parent_run_id)
+    runs: dict[str, Run] = {}
+    for run in child_runs(client, parent):  # oldest first: a rerun cell's newer run wins
+        if CELL_TAG in run.data.tags:
+            runs[run.data.tags[CELL_TAG]] = run
+    groups: dict[str, GroupResult] = {}
+    seeds = len(spec.axes.get(spec.seed_key, [None]))
+    for cell in spec.cells():
+        group = groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, seeds))
+        if cell.key in runs:
+            group.cells.append(cell_result(client, cell, runs[cell.key]))
+    return list(groups.values())
+
+
+def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run) -> CellResult:
+    run_id = run.info.run_id
+    metrics: dict[str, float | None] = {}
+    for column in COLUMNS:
+        if column.key not in run.data.metrics:
+            metrics[column.name] = None
+        elif column.reduce == "last":
+            metrics[column.name] = run.data.metrics[column.key]
+        else:
+            history = [m.value for m in client.get_metric_history(run_id, column.key)]
+            metrics[column.name] = sum(history) / len(history) if column.reduce == "mean" else max(history)
+    params = run.data.params
+    curve = loss_curve(client, run_id, float(params.get("derived.tokens_per_step") or 0),
+                       int(params.get("derived.max_steps") or 0))
+    count = params.get("model.params")
+    return CellResult(cell, run_id, metrics, int(count) if count else None, curve)
+
+
+def loss_curve(client: mlflow.MlflowClient, run_id: str, tokens_per_step: float,
+               max_steps: int) -> list[tuple[float, float]]:
+    """``val/loss`` against tokens seen. Lightning logs a validation inside training at the index of the step it
+    follows (after s + 1 optimizer steps, where ``tokens_seen`` is logged too), the one before training at step 0 and
+    the one after it at step ``max_steps``."""
+    history = sorted(client.get_metric_history(run_id, "val/loss"), key=lambda m: (m.step, m.timestamp))
+    points = []
+    for i, metric in enumerate(history):
+        done = 0 if i == 0 and metric.step == 0 else max_steps if 0 < max_steps <= metric.step else metric.step + 1
+        points.append((done * tokens_per_step, metric.value))
+    return points
+
+
+def download_heatmap(client: mlflow.MlflowClient, run_id: str, target: Path) -> Path | None:
+    """The run's newest gate heatmap (``gates/step_<n>/heatmap.png``, highest n) copied to ``target``; None when the
+    run logged none (an architecture without gates, or gate analysis not run)."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file: no bar per download
+    steps = []
+    for entry in client.list_artifacts(run_id, "gates"):
+        name = entry.path.rsplit("/", 1)[-1]
+        if entry.is_dir and name.startswith("step_") and name[5:].isdigit():
+            steps.append((int(name[5:]), entry.path))
+    for _, folder in sorted(steps, reverse=True):
+        if any(f.path.endswith("/heatmap.png") for f in client.list_artifacts(run_id, folder)):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.move(client.download_artifacts(run_id, f"{folder}/heatmap.png", tmp), target)
+            return target
+    return None

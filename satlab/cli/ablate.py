@@ -1,0 +1,43 @@
+"""`satlab ablate <spec> [key=value ...]`: run (or resume) an ablation's grid of cells, then write its report."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from satlab.ablate.loader import load_ablation
+from satlab.ablate.spec import AblationSpec
+from satlab.ablate.state import STATE_FILE, AblationState
+from satlab.config.errors import ConfigError
+from satlab.console import console as make_console
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    spec = load_ablation(args.spec, args.overrides)
+    if args.dry_run:
+        print_grid(spec)
+        return 0
+    from satlab.ablate.driver import run_ablation
+
+    console = make_console()
+    result = run_ablation(spec, workers=args.workers, console=console, report=not args.no_report)
+    console.print(f"ablation [cyan]{spec.name}[/]: {len(result.skipped)} cells finished before, "
+                  f"{len(result.finished)} now, {len(result.failed)} failed"
+                  + (", interrupted (the same command resumes)" if result.interrupted else ""), soft_wrap=True)
+    for key, reason in result.failed.items():
+        console.print(f"  [red]failed[/] {key}: {reason}", soft_wrap=True)
+    return 130 if result.interrupted else 1 if result.failed else 0
+
+
+def print_grid(spec: AblationSpec) -> None:
+    """The cells in run order, with the status the state file records (MLflow is not opened)."""
+    state = AblationState(spec.out_path() / STATE_FILE)
+    table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
+    for column in ("#", "cell", "group", "status"):
+        table.add_column(column)
+    for i, cell in enumerate(spec.cells(), 1):
+        table.add_row(str(i), cell.slug, cell.group, state.cells.get(cell.key, {}).get("status", "not run"))
+    make_console().print(table)

@@ -1,0 +1,248 @@
+"""Ablations: spec validation and grid expansion, the statistics and verdicts, and a micro ablation end to end
+(parent and child runs, report, resuming without rerunning, rerunning only a cell whose record is gone)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import mlflow
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+from satlab.ablate.driver import run_ablation
+from satlab.ablate.loader import apply_items, list_ablations, load_ablation, spec_from_dict
+from satlab.ablate.plots import tile_images
+from satlab.ablate.runs import CELL_TAG, PARENT_TAG, child_runs
+from satlab.ablate.state import STATE_FILE, AblationState
+from satlab.ablate.stats import best_verdict, mean_std, ordering_verdict, welch_p
+from satlab.cli.main import main as satlab_main
+from satlab.config.errors import ConfigError
+
+MICRO = {  # a model that trains in seconds on a CPU
+    "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
+    "data.source": "kjv", "data.tokenizer.kind": "byte", "data.seq_len": 64,
+    "train.micro_batch_size": 4, "train.global_batch_tokens": 256, "train.max_tokens": 1024,
+    "train.val_every_tokens": 512, "train.val_tokens": 256, "train.accelerator": "cpu", "eval.at_end": False,
+}
+
+
+def problems(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
+    return "\n".join(excinfo.value.problems)
+
+
+def test_grid_expansion_order_keys_slugs_and_groups() -> None:
+    spec = spec_from_dict({"name": "g", "axes": {"model": {"arch": ["transformer", "satformer"]},
+                                                 "train.seed": [0, 1, 2]},
+                           "baseline": {"model.arch": "satformer"}})
+    cells = spec.cells()
+    assert [c.slug for c in cells[:4]] == ["arch=transformer,seed=0", "arch=transformer,seed=1",
+                                           "arch=transformer,seed=2", "arch=satformer,seed=0"]
+    assert len(cells) == 6 and len({c.key for c in cells}) == 6
+    assert cells[3].key == "model.arch=satformer train.seed=0" and cells[3].group == "model.arch=satformer"
+    assert cells[3].overrides() == ["model.arch=satformer", "train.seed=0"] and cells[3].seed == 0
+    assert spec.baseline_values() == {"model.arch": "satformer"}
+    assert spec.out_path().as_posix().endswith("reports/ablations/g")
+    same_leaf = spec_from_dict({"name": "l", "axes": {"model.satformer.last_k": [None, 2], "data.last_k": [1]}})
+    assert same_leaf.cells()[0].slug == "model.satformer.last_k=null,data.last_k=1"
+    assert spec_from_dict({"name": "d", "axes": {"optim.lr": [1e-3, 3e-3]}}).baseline_values() == {"optim.lr": 1e-3}
+
+
+def test_spec_problems_are_all_reported_with_did_you_mean() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        spec_from_dict({"name": "bad/name", "axis": {}, "axes": {"model.arch": [], "train.seed": 3,
+                                                                  "optim.lr": [1e-3, 1e-3], "model.size": ["tiny"]},
+                        "overrides": {"model.size": "tiny"}, "baseline": {"train.seed": 0, "model.arh": "x"},
+                        "timeout_minutes": -1})
+    text = problems(excinfo)
+    assert "unknown key 'axis' (did you mean 'axes'?)" in text
+    assert "'name' must be" in text and "'timeout_minutes' must be" in text
+    assert "axis 'model.arch' is empty" in text and "axis 'train.seed' must be a list" in text
+    assert "axis 'optim.lr' repeats a value" in text and "'model.size' is both a fixed override and an axis" in text
+    assert "baseline cannot fix the seed axis" in text and "(did you mean 'model.arch'?)" in text
+    with pytest.raises(ConfigError, match="'axes' is empty"):
+        spec_from_dict({"name": "e", "axes": {}})
+    with pytest.raises(ConfigError, match="not among the axis values"):
+        spec_from_dict({"name": "b", "axes": {"model.arch": ["transformer"]}, "baseline": {"model.arch": "mudd"}})
+
+
+def test_axis_keys_and_values_are_checked_against_the_config(tmp_path: Path) -> None:
+    path = tmp_path / "typo.yml"
+    path.write_text(yaml.safe_dump({"base": "default", "axes": {"model.archh": ["transformer"],
+                                                                "model.satformer.gate_fn": ["relu", "sigmoidd"]}}))
+    with pytest.raises(ConfigError) as excinfo:
+        load_ablation(path)
+    text = problems(excinfo)
+    assert "unknown key 'model.archh' (did you mean 'arch'?)" in text
+    assert "gate_fn 'sigmoidd' (did you mean 'sigmoid'?)" in text
+    with pytest.raises(ConfigError, match="unknown ablation 'arch_tiy'.*did you mean 'arch_tiny'"):
+        load_ablation("arch_tiy")
+
+
+def test_command_line_items_set_the_spec_or_override_the_config() -> None:
+    data = apply_items({"name": "x", "axes": {"model": {"arch": ["transformer"]}}},
+                       ["axes.train.seed=[0,1]", "baseline.model.arch=transformer", "train.max_tokens=1e5",
+                        "out_dir=/tmp/x"])
+    assert data["axes"] == {"model.arch": ["transformer"], "train.seed": [0, 1]}
+    assert data["overrides"] == {"train.max_tokens": 100000.0} and data["out_dir"] == "/tmp/x"
+    with pytest.raises(ConfigError, match="malformed item"):
+        apply_items({}, ["axes.model.arch"])
+
+
+def test_shipped_ablations_expand_and_load() -> None:
+    names = list_ablations()
+    assert {"arch_tiny", "granularity", "gate_fn", "arch_small", "arch_xl"} <= set(names)
+    arch = load_ablation("arch_tiny")
+    assert len(arch.cells()) == 18 and arch.baseline_values() == {"model.arch": "transformer"}
+    assert sorted(arch.axes["model.arch"]) == sorted(["transformer", "resformer", "satformer", "denseformer",
+                                                      "hyperconnections", "muddformer"])
+    base = arch.base_config()
+    assert (base.model.size, base.train.precision, base.train.compile) == ("tiny", "32-true", False)
+    assert len(load_ablation("granularity").cells()) == 15 and len(load_ablation("gate_fn").cells()) == 18
+    assert load_ablation("arch_small").base_config().data.seq_len == 4096
+
+
+def test_welch_p_matches_scipy_and_the_formula() -> None:
+    a, b = [3.1, 3.4, 2.9, 3.3], [3.6, 3.9, 3.5]
+    t = (np.mean(a) - np.mean(b)) / math.sqrt(np.var(a, ddof=1) / 4 + np.var(b, ddof=1) / 3)
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 3
+    dof = (va + vb) ** 2 / (va ** 2 / 3 + vb ** 2 / 2)
+    assert welch_p(a, b) == pytest.approx(2 * stats.t.sf(abs(t), dof), rel=1e-9)
+    assert welch_p(a, b) == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    assert welch_p([1.0], b) is None and welch_p([2.0, 2.0], [2.0, 2.0]) is None
+    assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2))) and mean_std([5.0]) == (5.0, None)
+
+
+def test_ordering_and_best_verdicts_on_synthetic_numbers() -> None:
+    names = {"satformer": "SATFormer", "resformer": "ResFormer", "transformer": "Transformer"}
+    order = ["satformer", "resformer", "transformer"]
+    held = ordering_verdict({"satformer": [3.00, 3.01, 2.99], "resformer": [3.10, 3.12, 3.09],
+                             "transformer": [3.20, 3.22, 3.19]}, order, "loss", labels=names)
+    assert held.held is True and "significant" in held.detail and "SATFormer < ResFormer < Transformer" in held.detail
+    broken = ordering_verdict({"satformer": [3.15, 3.16], "resformer": [3.10, 3.12], "transformer": [3.2, 3.3]},
+                              order, "loss", labels=names)
+    assert broken.held is False and "Observed order: ResFormer < SATFormer < Transformer" in broken.detail
+    assert "did not hold" in broken.sentence()
+    assert ordering_verdict({"satformer": [3.0]}, order, "loss").held is None
+    best = best_verdict({"satformer": [0.5, 0.52], "resformer": [0.4, 0.41], "transformer": [0.3, 0.32]},
+                        "satformer", "retrieval", labels=names)
+    assert best.held is True and "ResFormer" in best.detail
+    worse = best_verdict({"satformer": [0.3, 0.31], "muddformer": [0.5, 0.5]}, "satformer", "retrieval")
+    assert worse.held is False and "muddformer" in worse.detail
+    assert best_verdict({"satformer": [], "resformer": [0.4]}, "satformer", "retrieval").held is None
+
+
+def test_tile_images(tmp_path: Path) -> None:
+    images = []
+    for i in range(4):
+        plt.imsave(tmp_path / f"{i}.png", np.random.default_rng(i).random((20, 30)))
+        images.append((f"cell {i}", tmp_path / f"{i}.png"))
+    assert tile_images(images, tmp_path / "tiles.png", "t").stat().st_size > 0
+    assert tile_images([], tmp_path / "none.png", "t") is None
+
+
+def write_micro_spec(tmp_path: Path, name: str = "micro") -> Path:
+    overrides = {**MICRO, "tracking.uri": f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
+                 "train.out_dir": str(tmp_path / "runs"), "data.cache_dir": str(tmp_path.parent / "ablate-cache")}
+    spec = {"name": name, "base": "default", "overrides": overrides, "out_dir": str(tmp_path / "out"),
+            "axes": {"model.arch": ["transformer", "satformer"], "train.seed": [0, 1]},
+            "baseline": {"model.arch": "transformer"}}
+    path = tmp_path / f"{name}.yml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def finished_children(client: mlflow.MlflowClient, parent_run_id: str) -> dict[str, str]:
+    runs = child_runs(client, client.get_run(parent_run_id))
+    assert all(r.data.tags[PARENT_TAG] == parent_run_id for r in runs)
+    return {r.data.tags[CELL_TAG]: r.info.run_id for r in runs}
+
+
+def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
+    spec = load_ablation(write_micro_spec(tmp_path))
+    result = run_ablation(spec, workers=2)
+    assert not result.failed and not result.interrupted and len(result.finished) == 4
+    client = mlflow.MlflowClient(result.tracking_uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.params["axis.model.arch"] == "transformer, satformer"
+    runs = finished_children(client, result.parent_run_id)
+    assert set(runs) == {c.key for c in spec.cells()}
+
+    summary = json.loads(result.report["summary"].read_text())
+    header, *rows = summary["table"]
+    assert header[:5] == ["cell", "seeds", "params", "final val loss", "p (loss)"]
+    by_cell = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+    assert by_cell["transformer (baseline)"]["p (loss)"] == "baseline"
+    assert float(by_cell["satformer"]["p (loss)"]) >= 0 and by_cell["satformer"]["seeds"] == "2/2"
+    assert by_cell["satformer"]["retrieval avg"] == "—" and "±" in by_cell["satformer"]["final val loss"]
+    markdown = result.report["markdown"].read_text()
+    assert "SATFormer < ResFormer < Transformer in final validation loss: **could not be checked**" in markdown
+    assert result.report["loss_curves"].exists() and "<table>" in result.report["html"].read_text()
+    logged = {a.path for a in client.list_artifacts(result.parent_run_id, "report")}
+    assert {"report/report.md", "report/report.html", "report/loss_curves.png"} <= logged
+
+    again = run_ablation(spec, workers=2, report=False)  # nothing left to run
+    assert (len(again.skipped), again.finished) == (4, [])
+    assert finished_children(client, result.parent_run_id) == runs
+
+    state = AblationState(spec.out_path() / STATE_FILE)
+    adopted, redo = spec.cells()[0].key, spec.cells()[3].key
+    state.forget(adopted)  # the state file alone lost: MLflow still records the cell, so it is not rerun
+    state.forget(redo)
+    client.delete_run(runs[redo])  # the cell's MLflow record gone too: it is rerun, and only it
+    third = run_ablation(spec, workers=1, report=False)
+    assert third.finished == [redo] and adopted in third.skipped
+    after = finished_children(client, result.parent_run_id)
+    assert after[redo] != runs[redo] and {k: v for k, v in after.items() if k != redo} == \
+        {k: v for k, v in runs.items() if k != redo}
+    assert AblationState(spec.out_path() / STATE_FILE).cells[adopted]["status"] == "finished"
+
+    heatmap = tmp_path / "heatmap.png"
+    plt.imsave(heatmap, np.random.default_rng(0).random((10, 10)))
+    for step in (2, 4):
+        client.log_artifact(after[spec.cells()[2].key], str(heatmap), f"gates/step_{step}")
+    assert satlab_main(["report", str(tmp_path / "micro.yml")]) == 0
+    assert (spec.out_path() / "gate_heatmaps.png").exists()
+    assert satlab_main(["report", result.parent_run_id, "--tracking-uri", result.tracking_uri,
+                        "--out", str(tmp_path / "by-id")]) == 0
+    assert "gate_heatmaps.png" in (tmp_path / "by-id" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_ablation_resumes_only_the_unfinished_cells(tmp_path: Path) -> None:
+    """SIGKILL the driver while its second cell trains: that cell's process ends with it, and the same command
+    then runs the second and later cells only."""
+    path = write_micro_spec(tmp_path, "killed")
+    spec = load_ablation(path, ["train.max_tokens=16384", "train.val_every_tokens=4096"])
+    command = [sys.executable, "-m", "satlab.cli.main", "ablate", str(path), "train.max_tokens=16384",
+               "train.val_every_tokens=4096", "--no-report"]
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state_file = spec.out_path() / STATE_FILE
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        cells = json.loads(state_file.read_text())["cells"] if state_file.exists() else {}
+        if sum(c.get("status") == "finished" for c in cells.values()) == 1 and \
+                any(c.get("status") == "running" for c in cells.values()):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the first cell did not finish in time")
+    time.sleep(8)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    time.sleep(5)
+    leftovers = subprocess.run(["pgrep", "-f", f"satlab.ablate.cell experiment={spec.out_path()}"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    result = run_ablation(spec, workers=1, report=False)
+    first = [c.key for c in spec.cells() if c.seed == 0][0]
+    assert result.skipped == [first] and len(result.finished) == 3 and not result.failed
