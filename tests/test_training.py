@@ -58,9 +58,10 @@ def test_twenty_steps_of_every_architecture_land_in_mlflow(workdir, arch):
 
 
 def test_resume_auto_continues_the_same_run_and_mlflow_record(tmp_path):
-    first = train(tiny_config(tmp_path, "name=resumed"), progress=False)
+    first = train(tiny_config(tmp_path, "name=resumed", "train.log_every_n_steps=1"), progress=False)
     assert first.tokens == 20 * 512
-    second = train(tiny_config(tmp_path, "name=resumed", "train.max_tokens=15360"), progress=False)
+    second = train(tiny_config(tmp_path, "name=resumed", "train.max_tokens=15360", "train.log_every_n_steps=1"),
+                   progress=False)
     assert second.run_dir == first.run_dir and second.mlflow_run_id == first.mlflow_run_id
     assert second.tokens == 30 * 512 and second.initial_val_loss is None
     history = mlflow.MlflowClient(first.tracking_uri).get_metric_history(first.mlflow_run_id, "tokens_seen")
