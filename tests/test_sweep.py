@@ -19,8 +19,9 @@ import yaml
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.sweep.loader import load_sweep
-from satlab.sweep.process import trial_command, trial_env
+from satlab.sweep.process import trial_command
 from satlab.sweep.study import PID, REASON, open_storage
+from satlab.training.launch import worker_env
 
 MICRO = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -120,7 +121,7 @@ def test_multi_gpu_trials_go_through_torchrun_and_get_their_own_gpus():
     assert trial_command(["--x"], 2, "gpu")[1:6] == ["-m", "torch.distributed.run", "--standalone",
                                                      "--nproc-per-node=2", "-m"]
     assert trial_command(["--x"], 1, "gpu")[1:] == ["-m", "satlab.sweep.trial", "--x"]
-    env = trial_env(1, 2, 4, cfg, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    env = worker_env(1, 2, 4, cfg, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["OMP_NUM_THREADS"] == "4"
 
 

@@ -20,11 +20,12 @@ from rich.console import Console
 
 from satlab.ablate.launcher import CellLauncher, CellPlan
 from satlab.ablate.runs import ABLATION_TAG, CELL_TAG, GROUP_TAG, PARENT_TAG, ensure_parent_run, finished_cells
-from satlab.ablate.spec import AblationSpec, Cell, format_value, nest
+from satlab.ablate.spec import AblationSpec, Cell, format_value
 from satlab.ablate.state import STATE_FILE, AblationState
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.schema import ExperimentConfig
+from satlab.config.specs import nest
 from satlab.training.tracking import ensure_reachable, resolve_tracking
 
 

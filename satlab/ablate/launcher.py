@@ -11,7 +11,6 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,8 +27,7 @@ from satlab.ablate.runs import close_runs, usable_run
 from satlab.ablate.spec import AblationSpec, Cell
 from satlab.ablate.state import AblationState
 from satlab.config.schema import ExperimentConfig
-
-GRACE_SECONDS = 30.0
+from satlab.training.launch import ProcessGroup, describe_exit, worker_env
 
 
 @dataclass
@@ -57,7 +55,7 @@ class CellLauncher:
             self.slots.put(slot)
         self.failures: dict[str, str] = {}
         self.stopping = threading.Event()
-        self._procs: set[subprocess.Popen] = set()
+        self.procs = ProcessGroup()
         self._lock = threading.Lock()
         self._count = 0
         self.total = 0
@@ -75,7 +73,7 @@ class CellLauncher:
         except KeyboardInterrupt:
             self.stopping.set()
             self.console.print("[yellow]interrupted[/]: stopping the running cells; the same command resumes")
-            self._stop_all()
+            self.procs.stop()
             pool.shutdown(wait=True, cancel_futures=True)
             return True
         finally:
@@ -129,31 +127,10 @@ class CellLauncher:
 
     def _execute(self, plan: CellPlan, slot: int, log_file: Path) -> tuple[int, bool]:
         command = [sys.executable, "-m", "satlab.ablate.cell", f"experiment={plan.config_path}", "--no-progress"]
-        env = cell_env(slot, self.workers, self.threads, plan.cfg)
+        env = worker_env(slot, self.workers, self.threads, plan.cfg.train)
+        env[DRIVER_PID] = str(os.getpid())  # the cell ends with its driver (satlab.ablate.cell)
         timeout = self.spec.timeout_minutes * 60 if self.spec.timeout_minutes else None
-        with open(log_file, "a") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command)}\n")
-            log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        with self._lock:
-            self._procs.add(proc)
-        try:
-            proc.wait(timeout=timeout)
-            return proc.returncode, False
-        except subprocess.TimeoutExpired:
-            stop_process(proc)
-            return proc.returncode, True
-        finally:
-            with self._lock:
-                self._procs.discard(proc)
-
-    def _stop_all(self) -> None:
-        with self._lock:
-            procs = list(self._procs)
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            stop_process(proc)
+        return self.procs.run(command, env, log_file, timeout, append=True)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -181,37 +158,3 @@ def read_run_id(run_dir: Path) -> str | None:
         return json.loads(info.read_text()).get("mlflow_run_id") if info.exists() else None
     except (OSError, ValueError):
         return None
-
-
-def cell_env(slot: int, workers: int, threads: int, cfg: ExperimentConfig) -> dict[str, str]:
-    """The cell's environment: ``threads`` CPU threads, the driver's pid, and with several workers on a GPU host its
-    own ``train.devices`` GPUs (worker slot k gets the k-th group of the visible devices)."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env[DRIVER_PID] = str(os.getpid())
-    if workers > 1 and cfg.train.accelerator != "cpu":
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(workers * cfg.train.devices)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[slot * cfg.train.devices:(slot + 1) * cfg.train.devices])
-    return env
-
-
-def describe_exit(returncode: int, log_file: Path) -> str:
-    """Why a cell failed: the signal that killed it, or its exit code and the last line of its log."""
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()] \
-        if log_file.exists() else []
-    return f"exit code {returncode}" + (f": {lines[-1].strip()[:300]}" if lines else "")
-
-
-def stop_process(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.ablate.spec import SPEC_SUFFIX, AblationSpec, default_ablations_dir, format_value
-from satlab.config.errors import ConfigError, did_you_mean, unknown_name
+from satlab.config.errors import ConfigError, did_you_mean
+from satlab.config.specs import flatten_mapping, read_spec, spec_names
 
 _FIELDS = {f.name: f for f in dataclasses.fields(AblationSpec)}
 _SECTIONS = ("overrides", "axes", "baseline")  # mappings of dotted config keys
@@ -29,43 +29,22 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def list_ablations(ablations_dir: Path | None = None) -> list[str]:
-    root = ablations_dir or default_ablations_dir()
-    return sorted(p.stem for p in root.glob(f"*{SPEC_SUFFIX}")) if root.is_dir() else []
+    """The ablation names under ``ablations_dir`` (default: ``experiments/ablations``)."""
+    return spec_names(ablations_dir or default_ablations_dir(), SPEC_SUFFIX)
 
 
 def load_ablation(name_or_path: str | Path, items: Sequence[str] = ()) -> AblationSpec:
     """The validated spec of an ablation name (``arch_tiny``) or YAML file, with command-line ``key=value`` items
     (spec fields or config overrides), checked against the base experiment."""
-    path = spec_path(name_or_path)
-    try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(e).split())}") from None
-    if not OmegaConf.is_dict(loaded):
-        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
-    data = typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
-    data.setdefault("name", path.stem)
+    path, data = read_spec(name_or_path, "ablation", default_ablations_dir(), SPEC_SUFFIX)
     spec = spec_from_dict(apply_items(data, items), source=str(path))
     check_against_config(spec)
     return spec
 
 
-def spec_path(name_or_path: str | Path) -> Path:
-    as_path = Path(name_or_path)
-    if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
-        if not as_path.is_file():
-            raise ConfigError(f"ablation spec not found: {name_or_path}")
-        return as_path
-    path = default_ablations_dir() / f"{name_or_path}{SPEC_SUFFIX}"
-    if not path.is_file():
-        raise ConfigError(unknown_name("ablation", str(name_or_path), list_ablations())
-                          + f" (specs in {default_ablations_dir()})")
-    return path
-
-
 def apply_items(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
     """``data`` with the command line's items applied (spec fields into the spec, other keys into overrides)."""
-    data = {**data, **{s: flatten(data[s]) for s in _SECTIONS if isinstance(data.get(s), Mapping)}}
+    data = {**data, **{s: flatten_mapping(data[s]) for s in _SECTIONS if isinstance(data.get(s), Mapping)}}
     problems = []
     for item in items:
         key, sep, text = item.partition("=")
@@ -118,7 +97,7 @@ def spec_from_dict(data: Mapping[str, Any], source: str = "ablation") -> Ablatio
         if not isinstance(raw, Mapping):
             problems.append(f"{source}: '{section}' must be a mapping of config keys, got {raw!r}")
             raw = {}
-        values[section] = flatten(raw)
+        values[section] = flatten_mapping(raw)
     problems.extend(_axes_problems(values, source))
     if problems:
         raise ConfigError(problems)
@@ -169,14 +148,3 @@ def check_against_config(spec: AblationSpec) -> None:
                 problems.extend(f"ablation '{spec.name}', axis {key}={format_value(value)}: {p}" for p in e.problems)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
-
-
-def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted keys down to the non-mapping values (``{"model": {"arch": [..]}}`` -> ``{"model.arch": [..]}``)."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

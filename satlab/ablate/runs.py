@@ -19,7 +19,7 @@ from mlflow.entities import Param, Run
 from mlflow.exceptions import MlflowException
 
 from satlab.ablate.spec import AblationSpec, format_value
-from satlab.training.tracking import git_revision
+from satlab.training.tracking import experiment_id, git_revision
 
 ABLATION_TAG = "satlab.ablation"
 ROLE_TAG = "satlab.ablation.role"
@@ -28,16 +28,6 @@ GROUP_TAG = "satlab.ablation.group"
 PARENT_TAG = "mlflow.parentRunId"
 FINGERPRINT_TAG = "satlab.ablation.fingerprint"
 SPEC_ARTIFACT = "ablation.yaml"
-
-
-def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str | None) -> str:
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException:  # another process created it between the two calls
-        return client.get_experiment_by_name(name).experiment_id
 
 
 def usable_run(client: mlflow.MlflowClient, run_id: str | None) -> Run | None:

@@ -139,18 +139,6 @@ def override_items(values: Mapping[str, Any]) -> list[str]:
     return [f"{key}={format_value(value)}" for key, value in values.items()]
 
 
-def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"a.b": 1}`` -> ``{"a": {"b": 1}}`` (for writing an experiment YAML)."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def default_ablations_dir() -> Path:
     """``experiments/ablations`` next to the experiment presets (``$SATLAB_EXPERIMENTS_DIR`` moves both)."""
     return default_experiments_dir() / ABLATIONS_SUBDIR

@@ -63,13 +63,11 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
     """One MLflow run in experiment 'bench' with every number of the table and the JSON as an artifact."""
     import mlflow
 
-    from satlab.training.tracking import provenance_tags, resolve_tracking
+    from satlab.training.tracking import experiment_id, provenance_tags, resolve_tracking
 
     uri, artifacts = resolve_tracking(None, None)
     client = mlflow.MlflowClient(uri)
-    experiment = client.get_experiment_by_name("bench")
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment("bench", artifacts)
-    run = client.create_run(experiment_id, run_name=f"bench-{report['settings']['size']}",
+    run = client.create_run(experiment_id(client, "bench", artifacts), run_name=f"bench-{report['settings']['size']}",
                             tags=provenance_tags("+".join(r["arch"] for r in report["results"]), "bench"))
     for key, value in report["settings"].items():
         client.log_param(run.info.run_id, key, value)

@@ -32,6 +32,7 @@ from satlab.config.schema import (
     TOKENIZER_KINDS,
     ExperimentConfig,
 )
+from satlab.config.specs import read_mapping, short_path
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
@@ -125,7 +126,7 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
     while current is not None:
         resolved = current.resolve()
         if resolved in seen:
-            cycle = " -> ".join(_label(p) for p in [*seen, resolved])
+            cycle = " -> ".join(short_path(p) for p in [*seen, resolved])
             problems.append(f"cycle in 'base:' chain: {cycle}")
             break
         seen.append(resolved)
@@ -133,7 +134,7 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
         if data is None:
             break
         base = data.pop("base", None)
-        layers.append((_label(current), data))
+        layers.append((short_path(current), data))
         current = None if base is None else _base_path(base, current, root, problems)
     return layers[::-1]
 
@@ -141,13 +142,13 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
 def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path | None:
     """``./x`` and ``../x`` are relative to the file that names them; a bare name is a preset under ``root``."""
     if not isinstance(base, str) or not base:
-        problems.append(f"{_label(child)}: 'base' must be a preset name or a relative path, got {base!r}")
+        problems.append(f"{short_path(child)}: 'base' must be a preset name or a relative path, got {base!r}")
         return None
     name = base if base.endswith((".yaml", ".yml")) else f"{base}{PRESET_SUFFIX}"
     relative = base.startswith(("./", "../")) or Path(base).is_absolute()
     path = (child.parent / name) if relative else (root / name)
     if not path.is_file():
-        problems.append(f"{_label(child)}: base {unknown_name('preset', base, list_experiments(root))}"
+        problems.append(f"{short_path(child)}: base {unknown_name('preset', base, list_experiments(root))}"
                         f" (looked for {path})")
         return None
     return path
@@ -155,14 +156,10 @@ def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path 
 
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        problems.append(f"{_label(path)}: cannot read YAML: {' '.join(str(e).split())}")
+        return read_mapping(path, short_path(path))
+    except ConfigError as e:
+        problems.extend(e.problems)
         return None
-    if not OmegaConf.is_dict(loaded):
-        problems.append(f"{_label(path)}: expected a mapping of keys at the top level")
-        return None
-    return typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
 
 
 def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Layer]:
@@ -305,11 +302,3 @@ def _type_name(hint: Any) -> str:
 
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
-def _label(path: Path) -> str:
-    """A short name for messages: relative to the working directory when possible."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
 import sys
 import threading
 import warnings
@@ -29,7 +28,7 @@ from rich.console import Console
 
 from satlab.config.schema import ExperimentConfig
 from satlab.sweep.mlflow_runs import close_trial, ensure_parent_run, tracking_target
-from satlab.sweep.process import describe_exit, stop_process, trial_command, trial_env
+from satlab.sweep.process import trial_command
 from satlab.sweep.report import write_report
 from satlab.sweep.spec import SweepSpec
 from satlab.sweep.study import (
@@ -49,6 +48,7 @@ from satlab.sweep.study import (
     safe_url,
     suggest,
 )
+from satlab.training.launch import ProcessGroup, describe_exit, worker_env
 
 WORKER_LOST = "worker_lost"
 
@@ -160,8 +160,7 @@ class TrialLauncher:
             self.slots.put(slot)
         self.logs = spec.study_dir() / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self._procs: set[subprocess.Popen] = set()
-        self._lock = threading.Lock()
+        self.procs = ProcessGroup()
         self.stopping = threading.Event()
 
     def __call__(self, trial: optuna.Trial) -> float:
@@ -204,35 +203,20 @@ class TrialLauncher:
                 "--parent-run-id", self.parent_run_id, "--tracking-uri", self.tracking_uri,
                 "--experiment", self.spec.experiment, "--threads", str(self.threads), "--worker-pid", str(os.getpid())]
         command = trial_command(args, self.base.train.devices, self.base.train.accelerator)
-        env = trial_env(slot, self.workers, self.threads, self.base.train)
+        env = worker_env(slot, self.workers, self.threads, self.base.train)
         env[STORAGE_ENV] = self.spec.storage
         timeout = self.spec.trial.timeout_minutes * 60 if self.spec.trial.timeout_minutes else None
-        with open(log_file, "w") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        with self._lock:
-            self._procs.add(proc)
         try:
-            proc.wait(timeout=timeout)
-            return proc.returncode, False
-        except subprocess.TimeoutExpired:
-            stop_process(proc)
-            return proc.returncode, True
+            return self.procs.run(command, env, log_file, timeout)
         except KeyboardInterrupt:
-            stop_process(proc)
             trial.set_user_attr(REASON, "interrupted")
             raise
-        finally:
-            with self._lock:
-                self._procs.discard(proc)
 
     def interrupt(self, signum: int, frame: Any) -> None:
         """SIGINT: stop every running trial process (their trials fail with reason ``interrupted``), then raise
         KeyboardInterrupt in the main thread so that no new trial starts."""
         self.stopping.set()
-        with self._lock:
-            procs = list(self._procs)
-        for proc in procs:
-            proc.terminate()
+        self.procs.terminate()
         raise KeyboardInterrupt
 
     def on_trial_end(self, study: optuna.Study, trial: FrozenTrial) -> None:

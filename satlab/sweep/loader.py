@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean, unknown_name
+from satlab.config.specs import flatten_mapping, nest, read_spec, short_path
 from satlab.sweep.spec import (
     DEFAULT_SPACE,
     DIRECTIONS,
@@ -35,10 +36,8 @@ from satlab.sweep.spec import (
     SweepSpec,
     TrialSettings,
     default_sweeps_dir,
-    flatten_mapping,
     format_value,
     is_param,
-    nest,
 )
 
 _BAD = object()
@@ -46,15 +45,7 @@ _BAD = object()
 
 def load_sweep(name_or_path: str | Path, overrides: Sequence[str] = ()) -> SweepSpec:
     """The validated spec of a sweep name (``lr_tiny``) or YAML file, with ``key=value`` overrides of the spec."""
-    path = _spec_path(name_or_path)
-    try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(e).split())}") from None
-    if not OmegaConf.is_dict(loaded):
-        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
-    data = typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
-    data.setdefault("name", path.stem)
+    path, data = read_spec(name_or_path, "sweep", default_sweeps_dir(), ".yaml")
     data = _nest_sections(data)
     problems: list[str] = []
     for item in overrides:
@@ -68,7 +59,7 @@ def load_sweep(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Sweep
             problems.append(f"malformed sweep override '{item}': {' '.join(str(e).split())}")
     if problems:
         raise ConfigError(problems)
-    spec = spec_from_dict(data, source=_label(path))
+    spec = spec_from_dict(data, source=short_path(path))
     check_against_config(spec)
     return spec
 
@@ -90,7 +81,7 @@ def spec_from_dict(data: Mapping[str, Any], source: str = "sweep") -> SweepSpec:
         kwargs[key] = _section(cls, data.get(key) or {}, key, problems)
     overrides = data.get("overrides") or {}
     if isinstance(overrides, Mapping):
-        kwargs["overrides"] = flatten_mapping(overrides, lambda v: not isinstance(v, Mapping))
+        kwargs["overrides"] = flatten_mapping(overrides)
     else:
         problems.append(f"'overrides' must be a mapping of config keys to values, got {overrides!r}")
     kwargs["space"] = _space(data.get("space", DEFAULT_SPACE), problems)
@@ -99,7 +90,7 @@ def spec_from_dict(data: Mapping[str, Any], source: str = "sweep") -> SweepSpec:
     kwargs["enqueue"] = []
     for i, point in enumerate(data.get("enqueue") or []):
         if isinstance(point, Mapping):
-            kwargs["enqueue"].append(flatten_mapping(point, lambda v: not isinstance(v, Mapping)))
+            kwargs["enqueue"].append(flatten_mapping(point))
         else:
             problems.append(f"enqueue[{i}] must be a mapping of searched keys to values, got {point!r}")
     spec = SweepSpec(**kwargs)
@@ -133,36 +124,15 @@ def check_against_config(spec: SweepSpec) -> None:
         raise ConfigError([f"sweep '{spec.name}': {p}" for p in problems])
 
 
-def _label(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 def _unknown_key(where: str, key: str, valid: Mapping[str, Any]) -> str:
     return f"unknown key '{where}{key}'{did_you_mean(key, valid) or '; valid: ' + ', '.join(valid)}"
-
-
-def _spec_path(name_or_path: str | Path) -> Path:
-    as_path = Path(name_or_path)
-    if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
-        if not as_path.is_file():
-            raise ConfigError(f"sweep spec not found: {name_or_path}")
-        return as_path
-    root = default_sweeps_dir()
-    path = root / f"{name_or_path}.yaml"
-    if not path.is_file():
-        available = sorted(p.stem for p in root.glob("*.yaml"))
-        raise ConfigError(unknown_name("sweep", str(name_or_path), available) + f" (specs in {root})")
-    return path
 
 
 def _nest_sections(data: dict[str, Any]) -> dict[str, Any]:
     """Dotted keys of ``overrides``/``space``/``enqueue`` entries expanded, so CLI overrides merge into them."""
     out = dict(data)
     if isinstance(out.get("overrides"), Mapping):
-        out["overrides"] = nest(flatten_mapping(out["overrides"], lambda v: not isinstance(v, Mapping)))
+        out["overrides"] = nest(flatten_mapping(out["overrides"]))
     if isinstance(out.get("space"), Mapping):
         out["space"] = nest(flatten_mapping(out["space"], is_param))
     return out

@@ -22,7 +22,7 @@ from optuna.trial import FrozenTrial
 from satlab.config.schema import ExperimentConfig
 from satlab.sweep.spec import SweepSpec
 from satlab.sweep.study import LOG, PARENT_RUN, REASON, RUN_ID, TRACKING_URI, safe_url
-from satlab.training.tracking import ensure_reachable, git_revision, resolve_tracking
+from satlab.training.tracking import ensure_reachable, experiment_id, git_revision, resolve_tracking
 
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
@@ -31,16 +31,6 @@ def tracking_target(cfg: ExperimentConfig) -> tuple[str, str | None]:
     """(tracking URI, artifact location for a new experiment) of the base experiment, checked reachable."""
     uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
     return ensure_reachable(uri, cfg.tracking.fallback_local), artifacts
-
-
-def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str | None) -> str:
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException:  # another host created it between the two calls
-        return client.get_experiment_by_name(name).experiment_id
 
 
 def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: SweepSpec, tracking_uri: str,

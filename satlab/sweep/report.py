@@ -24,8 +24,9 @@ from rich.table import Table
 
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
+from satlab.config.specs import nest
 from satlab.sweep.plots import write_plots
-from satlab.sweep.spec import SweepSpec, nest
+from satlab.sweep.spec import SweepSpec
 from satlab.sweep.study import REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
 
 STALE_REASON = "worker_lost"

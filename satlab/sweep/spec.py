@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,29 +184,6 @@ def format_value(value: Any) -> str:
             parsed = None
         return value if parsed == value else json.dumps(value)
     return json.dumps(value)
-
-
-def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"a.b": 1}`` -> ``{"a": {"b": 1}}`` (for writing an experiment YAML)."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def flatten_mapping(data: Mapping[str, Any], is_leaf: Callable[[Any], bool], prefix: str = "") -> dict[str, Any]:
-    """Dotted keys down to the values ``is_leaf`` accepts."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping) and not is_leaf(value):
-            flat.update(flatten_mapping(value, is_leaf, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def is_param(value: Any) -> bool:

@@ -13,9 +13,13 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import satlab
 from satlab.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    import mlflow
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STORE = PROJECT_ROOT / "mlruns"
@@ -66,6 +70,19 @@ def ensure_reachable(uri: str, fallback_local: bool) -> str:
         f"the MLflow tracking server {uri} is unreachable ({problem}); start it (make ui serves the local store), "
         "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.fallback_local=true to log to mlruns/mlflow.db"
     )
+
+
+def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str | None) -> str:
+    """The id of the MLflow experiment ``name``, created (with ``artifact_location``) if it does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:  # another process or host created it between the two calls
+        return client.get_experiment_by_name(name).experiment_id
 
 
 def git_revision() -> tuple[str, bool]:
