@@ -33,17 +33,22 @@ def tracking_target(cfg: ExperimentConfig) -> tuple[str, str | None]:
     return ensure_reachable(uri, cfg.tracking.fallback_local), artifacts
 
 
+def _reopen(client: mlflow.MlflowClient, run_id: str) -> bool:
+    """Mark the recorded parent run RUNNING again; False when it is gone (deleted, or the store was replaced)."""
+    try:
+        client.update_run(run_id, status="RUNNING")
+    except MlflowException:
+        return False
+    return True
+
+
 def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: SweepSpec, tracking_uri: str,
                       artifact_location: str | None, storage_url: str) -> str:
     """The study's parent run: the one recorded on the study (a re-run resumes it), else a new one with the spec as
     params and a ``sweep.yaml`` artifact, recorded on the study for the next run and for other hosts."""
     run_id = study.user_attrs.get(PARENT_RUN)
-    if run_id and study.user_attrs.get(TRACKING_URI) == tracking_uri:
-        try:
-            client.update_run(run_id, status="RUNNING")
-            return run_id
-        except MlflowException:
-            pass  # the run was deleted, or the store was replaced: start a new parent
+    if run_id and study.user_attrs.get(TRACKING_URI) == tracking_uri and _reopen(client, run_id):
+        return run_id
     rev, dirty = git_revision()
     tags = {"optuna.study": spec.name, "satlab.sweep": "parent", "git_revision": rev, "git_dirty": str(dirty).lower(),
             "command": " ".join(sys.argv)}
