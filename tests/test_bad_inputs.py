@@ -144,3 +144,22 @@ def test_bench_rejects_an_unknown_architecture(capsys):
     code = main(["bench", "--archs", "transformer,densformer"])
     err = capsys.readouterr().err
     assert code == 2 and "densformer" in err and "did you mean 'denseformer'" in err
+
+
+SWEEP_CASES = [
+    ("sweep spec with an empty space", ["space=null"], ["search space is empty"]),
+    ("sweep storage that is not a database URL", ["--storage", "studies/lr.journal"], ["studies/lr.journal", "sqlite:///"]),
+    ("sweep storage whose server cannot be reached", ["--storage", "postgresql://satlab@127.0.0.1:9/optuna"],
+     ["postgresql://satlab@127.0.0.1:9/optuna"]),
+]
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c[0] for c in SWEEP_CASES])
+def test_bad_sweep_input_is_one_clear_usage_error(case, tmp_path, capsys):
+    _, args, fragments = case
+    tracking = f"overrides.tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    code, err = run_cli(["sweep", "lr_tiny", f"out_dir={tmp_path / 'studies'}", tracking, *args], tmp_path, capsys)
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in: {err}"
+    assert not (tmp_path / "mlruns").exists()

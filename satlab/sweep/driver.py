@@ -86,10 +86,10 @@ def run_sweep(spec: SweepSpec, workers: int = 1, n_trials: int | None = None, st
     base = spec.base_config()
     spec = resolve_spec(spec, base, storage)
     spec.study_dir().mkdir(parents=True, exist_ok=True)
+    stale = StaleTrialRetry(None, spec.trial.max_retry)
+    study = create_study(spec, open_storage(spec.storage, spec.trial, stale))  # a bad storage fails before MLflow
     tracking_uri, artifacts = tracking_target(base)
-    client = mlflow.MlflowClient(tracking_uri)
-    stale = StaleTrialRetry(client, spec.trial.max_retry)
-    study = create_study(spec, open_storage(spec.storage, spec.trial, stale))
+    client = stale.client = mlflow.MlflowClient(tracking_uri)
     stale.parent_run_id = parent_run_id = ensure_parent_run(client, study, spec, tracking_uri, artifacts, spec.storage)
     launcher = TrialLauncher(spec, base, parent_run_id, tracking_uri, workers, client, console)
     count = spec.n_trials if n_trials is None else n_trials
@@ -132,7 +132,7 @@ class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
     """Optuna's retry of a trial whose worker stopped beating (it comes back as a WAITING trial with the same
     parameters), after closing the dead trial's MLflow run as FAILED with reason ``worker_lost``."""
 
-    def __init__(self, client: mlflow.MlflowClient, max_retry: int):
+    def __init__(self, client: mlflow.MlflowClient | None, max_retry: int):
         super().__init__(max_retry=max_retry)
         self.client = client
         self.parent_run_id: str | None = None
