@@ -36,7 +36,7 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float | Non
         for key in sorted(DENSE_PEAK_BF16, key=len, reverse=True):
             if key.lower() in name.lower():
                 peak = DENSE_PEAK_BF16[key]
-                return (peak if "bf16" in precision or "16" in precision else peak / 2), f"{key} dense table"
+                return (peak if "16" in precision else peak / 2), f"{key} dense table"  # fp32 runs on TF32 at half rate
         return None, f"unknown device '{name}': no MFU"
     return measure_cpu_matmul_peak(), "cpu fp32 matmul measured"
 
