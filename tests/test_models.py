@@ -17,6 +17,7 @@ from satlab.config.model import (
     PAPER_PARAM_COUNTS,
 )
 from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
+from satlab.models.depth_buffer import DepthBuffer
 
 SMALL = dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=97, max_seq_len=64)
 
@@ -125,6 +126,51 @@ def test_residual_stream_variants_start_as_transformer(arch):
     model = make(dict(arch=arch))
     load_same_weights(model, reference)
     assert_same_logits(model, reference)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["shared-weights", "per-token-weights"])
+def test_depth_buffer_sums_have_the_values_and_gradients_of_stacked_sums(per_token):
+    """A depth loop over the preallocated buffer (each sum feeding the next entry, one entry without a sum, a
+    strided subset of entries) gives the values and gradients of the same loop over ``torch.stack``, twice in a
+    row on one graph."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    B, T, d, depth = 2, 5, 3, 5
+    xs = [randn(B, T, d) for _ in range(depth)]
+    steps = [1, 1, 2, None, 1]  # entry 3 is written without a sum; the sum after entry 2 takes entries 0 and 2
+    weights = [None if steps[i] is None else randn(B, T, 2, i // steps[i] + 1) if per_token
+               else randn(i // steps[i] + 1) for i in range(depth)]
+
+    def loop(stacked: bool) -> torch.Tensor:
+        buffer = DepthBuffer(xs[0], depth, dim=-2 if per_token else 0)
+        entries, y = [], xs[0]
+        for i in range(depth):
+            entries.append(torch.tanh(y * xs[i]))
+            if stacked and steps[i] is None:
+                y = entries[-1]
+            elif stacked:
+                sources = torch.stack(entries[i % steps[i] :: steps[i]], -2 if per_token else 0)
+                y = weights[i] @ sources if per_token else torch.tensordot(weights[i], sources, dims=1)
+            else:
+                step = steps[i] or 1
+                y = buffer.append(entries[-1], weights[i], start=i % step, step=step)
+            if per_token and steps[i] is not None:
+                y = y[..., 0, :] + 0.5 * y[..., 1, :]
+        return (y * torch.arange(d, dtype=y.dtype)).sin().sum()
+
+    expected = torch.autograd.grad(loop(stacked=True), xs + [w for w in weights if w is not None])
+    result = loop(stacked=False)
+    for _ in range(2):  # retain_graph: the second backward must not see the first one's sums
+        got = torch.autograd.grad(result, xs + [w for w in weights if w is not None], retain_graph=True)
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e)
+    buffer = DepthBuffer(xs[0], 1)
+    buffer.append(xs[0])
+    with pytest.raises(IndexError, match="room for 1 block output"):
+        buffer.append(xs[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)

@@ -3,6 +3,10 @@
 Block i (1..L) consumes Y_{i-1} (Y_0 = X_0, the embedding) and outputs X_i; then Y_i = Σ_j a_{i,j} X_j over
 j ∈ {0..i} with j ≡ i (mod dilation), and only after every ``period``-th block (elsewhere Y_i = X_i). The weights
 start at a_{i,i} = 1, others 0, so the model starts as the Transformer.
+
+The outputs live in one preallocated :class:`~satlab.models.depth_buffer.DepthBuffer` of shape (L+1, B, T, d);
+each DWA is a single (1 × J) @ (J × B·T·d) product over a view of it (strided for ``dilation`` > 1), with the
+gradients accumulated in place in a second buffer.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from satlab.models.depth_buffer import DepthBuffer
 from satlab.models.streams import DepthContext, ResidualStream
 
 
@@ -39,18 +44,13 @@ class DenseFormerStream(ResidualStream):
             weight.data[-1] = 1.0  # the last source is j = i: the block's own output
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        outputs = [x]
-        y = x
+        outputs = DepthBuffer(x, len(ctx.blocks) + 1)
+        y = outputs.append(x)
         for i in range(1, len(ctx.blocks) + 1):
-            outputs.append(ctx.block(i - 1, y))
-            if str(i) not in self.weights:
-                y = outputs[-1]
-                continue
-            a = self.weights[str(i)]
-            sources = dwa_sources(i, self.dilation)
-            y = a[0] * outputs[sources[0]]
-            for m in range(1, len(sources)):  # fused multiply-adds over the kept outputs, no stacking
-                y = torch.addcmul(y, a[m], outputs[sources[m]])
+            out = ctx.block(i - 1, y)
+            weights = self.weights.get(str(i))  # None after blocks without a DWA (period > 1)
+            # the entries j ≡ i (mod dilation), in the order of dwa_sources(i)
+            y = outputs.append(out, weights, start=i % self.dilation, step=self.dilation)
         return y
 
     def mixing_weights(self) -> dict[str, Tensor]:

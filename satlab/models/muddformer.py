@@ -6,7 +6,8 @@ X̄^c = Σ_j A[c, j]·X_j. The next block computes a = MHA(Norm_q(X̄^Q), Norm_k
 X_{i+1} = a + MLP(Norm(a)). The last DA produces only R, which goes to the final norm.
 
 W_1: d -> K_i with K_i = 4(i+1) for every DA (the last one too; satlab's reading of the spec), init N(0, 1/d);
-W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer.
+W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer. X_0..X_L live in a preallocated
+:class:`~satlab.models.depth_buffer.DepthBuffer` of shape (B, T, L+1, d).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from satlab.models.depth_buffer import DepthBuffer
 from satlab.models.layers import Block, RMSNorm
 from satlab.models.streams import DepthContext, ResidualStream
 
@@ -43,20 +45,10 @@ class DepthAggregate(nn.Module):
         if self.static.device.type != "meta":
             self.static.data[:, -1] = 1.0
 
-    def forward(self, sources: list[Tensor]) -> list[Tensor]:
-        """The weighted sums X̄^c for each output stream c, from block outputs X_0..X_i."""
-        last = sources[-1]
+    def forward(self, last: Tensor) -> Tensor:
+        """The per-token weights A, (B, T, C, i+1), from X_i = ``last``."""
         weights = self.w2(F.gelu(self.w1(self.norm(last))))
-        weights = weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
-        # One fused multiply-add per (stream, source): no stacking of the growing source list (which would copy
-        # O(L²) hidden states per forward pass); torch.compile fuses the chain further.
-        outputs = []
-        for c in range(self.n_outputs):
-            acc = weights[..., c, 0:1] * sources[0]
-            for j in range(1, self.n_sources):
-                acc = torch.addcmul(acc, weights[..., c, j : j + 1], sources[j])
-            outputs.append(acc)
-        return outputs
+        return weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
 
 
 def realloc_widths(base: int, n_layers: int) -> list[int]:
@@ -84,16 +76,17 @@ class MUDDStream(ResidualStream):
             da.init_weights()
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        sources = [x]
-        xq = xk = xv = xr = x
+        sources = DepthBuffer(x, len(ctx.blocks) + 1, dim=-2)
+        xq = xk = xv = xr = sources.append(x)
         for i in range(len(ctx.blocks)):
             a = ctx.attend(i, xq, xk, xv) + xr
-            sources.append(a + ctx.feedforward(i, a))
-            mixed = self.aggregates[i](sources)
-            if len(mixed) == 1:
-                return mixed[0]
-            xq, xk, xv, xr = mixed
-        return sources[-1]
+            out = a + ctx.feedforward(i, a)
+            # X̄^c = Σ_j A[c, j]·X_j: one batched (C × (i+1)) @ ((i+1) × d) product per token over the buffer
+            mixed = sources.append(out, self.aggregates[i](out))
+            if mixed.shape[-2] == 1:
+                return mixed.squeeze(-2)
+            xq, xk, xv, xr = mixed.unbind(-2)
+        raise AssertionError("the last depth aggregate returns a single stream")
 
     def mixing_weights(self) -> dict[str, Tensor]:
         """Static part a of each DA, per output stream: (L, L+1) matrices, row i-1 = the DA after block i."""
