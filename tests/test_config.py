@@ -179,6 +179,19 @@ def test_derived_schedule_worked_example() -> None:
     assert (tiny_budget.max_steps, tiny_budget.val_every_steps, tiny_budget.warmup_steps) == (1, 1, 0)
 
 
+@pytest.mark.parametrize(("val_every", "eval_every", "due"), [
+    (976, 2441, [2928, 5856, 7808]),  # eval.every_tokens not a multiple of val_every_tokens: the next validation
+    (100, 200, [200, 400, 600, 800]),
+    (300, 100, [300, 600, 900]),  # evaluations asked more often than validations: at every validation
+])
+def test_periodic_evaluation_runs_at_the_first_validation_past_each_boundary(val_every, eval_every, due) -> None:
+    schedule = dataclasses.replace(derive_schedule(small_config()), val_every_steps=val_every,
+                                   eval_every_steps=eval_every)
+    validations = range(val_every, 9000 if eval_every > 1000 else 1000, val_every)
+    assert [step for step in validations if schedule.eval_due(step)] == due
+    assert not dataclasses.replace(schedule, eval_every_steps=None).eval_due(val_every)
+
+
 def test_derived_schedule_rejects_a_non_divisible_global_batch() -> None:
     with pytest.raises(ConfigError, match="not a multiple of .* = 16\\*256\\*3 = 12288"):
         derive_schedule(small_config(), world_size=3)

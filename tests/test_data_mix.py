@@ -110,7 +110,7 @@ def test_mix_config_is_validated(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError) as excinfo:
         load_experiment("tiny/transformer", ["data.mix.recal=0.1"])
-    assert "unknown data.mix source 'recal' (did you mean 'recall'?); valid: recall" in excinfo.value.problems
+    assert "unknown data.mix source 'recal' (did you mean 'recall'?); valid: copy, recall" in excinfo.value.problems
     for bad in ("0.7", "0", "-0.1"):
         with pytest.raises(ConfigError, match=re.escape("data.mix.recall must be in (0, 0.5]")):
             load_experiment("tiny/transformer", [f"data.mix.recall={bad}"])
@@ -121,8 +121,9 @@ def test_mix_config_is_validated(tmp_path: Path) -> None:
     assert set(MIX_SOURCES) == set(GENERATORS)
 
 
-def test_recall_documents_never_use_evaluation_formats_or_words() -> None:
-    docs = [synthetic_document("recall", i) for i in range(400)]
+@pytest.mark.parametrize("source", sorted(GENERATORS))
+def test_synthetic_documents_never_use_evaluation_formats_or_words(source: str) -> None:
+    docs = [synthetic_document(source, i) for i in range(400)]
     text = "\n".join(d.text for d in docs)
     for name in (*FIRST_NAMES, *LAST_NAMES, *CITIES, *EMPLOYERS):
         assert name not in text
@@ -133,14 +134,20 @@ def test_recall_documents_never_use_evaluation_formats_or_words() -> None:
     assert not re.search(r"\d{3}", text)  # 3-digit values, phone numbers and birth years alike
     assert not re.search(r"look\s*up|phone", text, re.IGNORECASE)
     assert not re.search(r"^(name|city|employer|born)\s*:", text, re.MULTILINE)  # SWDE-like records
-    assert {d.layout for d in docs} == {"pairs", "inline", "sentences", "setget"}
-    assert synthetic_document("recall", 7).text == docs[7].text
+    assert synthetic_document(source, 7).text == docs[7].text
+
+
+def test_copy_documents_repeat_their_sequence() -> None:
+    for i in range(100):
+        first, again = synthetic_document("copy", i).text.split("\nagain:\n")
+        assert again == first + "\n" and 12 <= len(first.split()) <= 40
 
 
 def test_recall_queries_need_look_back() -> None:
-    repeated = 0
+    repeated, layouts = 0, set()
     for i in range(300):
         doc = synthetic_document("recall", i)
+        layouts.add(doc.layout)
         text = doc.text
         assert 100 < len(text) < 2000 and doc.queries
         assert len(set(doc.pairs.values())) == len(doc.pairs)
@@ -156,3 +163,4 @@ def test_recall_queries_need_look_back() -> None:
             assert first and first.start() < asked.start()
             assert re.match(rf"{SEPARATOR}{re.escape(q.value)}\b", text[first.end():])
     assert repeated > 100
+    assert layouts == {"pairs", "inline", "sentences", "setget"}

@@ -44,6 +44,14 @@ class Schedule:
     val_batches: int
     eval_every_steps: int | None
 
+    def eval_due(self, step: int) -> bool:
+        """Whether the validation after ``step`` runs the downstream evaluation: the first validation at or after
+        each multiple of ``eval_every_steps`` (the two intervals need not divide each other)."""
+        every = self.eval_every_steps
+        if not every or step <= 0:
+            return False
+        return step // every > max(0, step - self.val_every_steps) // every
+
     def as_dict(self) -> dict[str, int | None]:
         """Field name to value, in declaration order (for logs and MLflow params)."""
         return dataclasses.asdict(self)

@@ -14,7 +14,7 @@ SOURCE_KINDS = ("auto", "corpus", "files", "hub")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
 RESUME_MODES = ("auto", "never")
-MIX_SOURCES = ("recall",)
+MIX_SOURCES = ("recall", "copy")
 """Synthetic document sources ``data.mix`` can mix into the train split (see ``satlab.data.synthetic``)."""
 
 
@@ -35,7 +35,8 @@ class DataConfig:
     ``source`` is an embedded corpus name (``shakespeare``, ``kjv``, ``pystdlib``), a local file, folder or glob
     (text, jsonl or parquet), or a Hugging Face hub dataset name; ``source_kind: auto`` decides in that order.
 
-    ``mix`` maps a synthetic source (``recall``: associative-recall documents) to its share of the TRAIN tokens, e.g.
+    ``mix`` maps a synthetic source (``recall``: associative-recall documents; ``copy``: repeated random sequences,
+    which teach a small model to copy before recall asks it to) to its share of the TRAIN tokens, e.g.
     ``{recall: 0.1}`` gives 90 % corpus, 10 % synthetic documents interleaved between corpus documents in a seeded
     order; each share in (0, 0.5], all together < 1; ``{}`` (the default) mixes nothing. Validation and test stay
     the pure corpus, so validation loss compares across runs with and without a mix, and the BPE tokenizer is

@@ -15,10 +15,19 @@ Sources (:data:`GENERATORS`, names listed in :data:`satlab.config.schema.MIX_SOU
       setget     set bafu -> 42. set kemi -> 17. get bafu -> 42. set dori -> 55. get kemi -> 17. ...
 
   (``=>`` or ``->`` per document in ``pairs`` and ``inline``; ``setget`` interleaves definitions and queries so the
-  look-back distance varies.) None of this is an evaluation format: the evaluation's recall tasks
-  (:mod:`satlab.evaluation.tasks.recall`) use two-letter keys with ``:`` and 3-digit values, ``name:``/``city:``
-  records of person names, cities and employers, and ``First Last: 123-4567`` phone books with ``Look up``; the
-  training documents use none of those keys, words, separators or phrases (checked by the tests).
+  look-back distance varies.)
+
+* ``copy``: a sequence of 12 to 40 random items (keys, values and the layouts' words), then the same sequence
+  again, after ``again:`` (``bafu 42 otter kemi ...\nagain:\nbafu 42 otter kemi ...``). Every token of the repeat
+  is predictable only by finding the same item earlier and copying what followed it: the induction-head
+  curriculum (Olsson et al., 2022). With a word-piece tokenizer trained on prose, keys, separators and digits are
+  one or two characters a token, so a ``recall`` query must match several tokens back; the copy documents give
+  that mechanism a dense training signal (every token of the repeat). See ``experiments/recall/``.
+
+None of this is an evaluation format: the evaluation's recall tasks (:mod:`satlab.evaluation.tasks.recall`) use
+two-letter keys with ``:`` and 3-digit values, ``name:``/``city:`` records of person names, cities and employers,
+and ``First Last: 123-4567`` phone books with ``Look up``; the training documents use none of those keys, words,
+separators or phrases (checked by the tests).
 
 Document ``i`` of a source is drawn from its own generator seeded by ``(seed, source, i)``, so the first ``k``
 documents do not depend on how many are made.
@@ -48,7 +57,7 @@ from satlab.data.common import make_progress
 from satlab.data.packing import BATCH_DOCUMENTS, open_tokens, split_path
 from satlab.data.tokenizer import TextTokenizer
 
-SYNTHETIC_VERSION = 1
+SYNTHETIC_VERSION = 2
 """Bump when a generator or the mixing rule changes; mixed token caches are then rebuilt."""
 MIX_SEED = 0
 """Seed of the synthetic documents and of the interleaving order (fixed: the data cache does not depend on
@@ -118,6 +127,16 @@ def _queries(rng: random.Random, keys: list[str]) -> list[str]:
     return [rng.choice(keys) for _ in range(rng.randint(max(1, len(keys) // 2), len(keys)))]
 
 
+COPY_ITEMS = 12, 40
+
+
+def copy_document(rng: random.Random) -> SyntheticDocument:
+    """A random sequence of items, then the same sequence again (see the module docstring)."""
+    items = [rng.choice((KEYS, NUMBER_VALUES, VALUE_WORDS)) for _ in range(rng.randint(*COPY_ITEMS))]
+    sequence = " ".join(rng.choice(pool) for pool in items)
+    return SyntheticDocument(f"{sequence}\nagain:\n{sequence}\n", "copy")
+
+
 def recall_document(rng: random.Random) -> SyntheticDocument:
     """One associative-recall document; see the module docstring for the layouts."""
     n = rng.randint(MIN_PAIRS, MAX_PAIRS)
@@ -158,7 +177,8 @@ def recall_document(rng: random.Random) -> SyntheticDocument:
     return b.build()
 
 
-GENERATORS: dict[str, Callable[[random.Random], SyntheticDocument]] = {"recall": recall_document}
+GENERATORS: dict[str, Callable[[random.Random], SyntheticDocument]] = {"recall": recall_document,
+                                                                      "copy": copy_document}
 """Each ``data.mix`` source: a function of a seeded ``random.Random`` returning one document."""
 
 

@@ -72,8 +72,7 @@ class EvaluationCallback(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        step, every = trainer.global_step, pl_module.schedule.eval_every_steps
-        periodic = bool(every) and step > 0 and step % every == 0
+        periodic = pl_module.schedule.eval_due(trainer.global_step)
         self._gates(trainer, pl_module, artifacts=periodic)
         if periodic:
             self._suite(trainer, pl_module)

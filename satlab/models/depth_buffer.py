@@ -3,15 +3,15 @@
 DenseFormer and MUDDFormer form, after every block, weighted sums over all earlier block outputs. Done with
 autograd's ordinary ops this either stacks a growing list (copying O(L²) hidden states per pass) or chains
 ``i + 1`` multiply-adds per layer, and in backward every term allocates a gradient of its own that is then summed
-into X_j's; on a CPU, where large allocations are page-faulted in afresh, that costs more than the arithmetic.
+into X_j's: allocations and memory traffic beyond what the sums need.
 
 Autograd forbids the obvious fix, writing X_{i+1} into a preallocated tensor, because a matmul of layer i saved
 that tensor for its backward and the in-place write bumps its version. :class:`_DepthSum` is the custom autograd
 function that makes it legal: the values are written once into :attr:`DepthBuffer.values` and read through views
 that autograd never sees; each sum's backward adds its part of every X_j's gradient in place into one
-:attr:`DepthBuffer.grads` tensor (one rank-1 update, or one batched matmul), and hands X_i its gradient when X_i's
-own node runs. The graph's order makes that total: the sum of layer i feeds block i+1, so every later sum (the
-only other readers of X_i) has run its backward before layer i's does.
+:attr:`DepthBuffer.grads` tensor (one rank-1 update, or one batched matmul and an add), and hands X_i its gradient
+when X_i's own node runs. The graph's order makes that total: the sum of layer i feeds block i+1, so every later
+sum (the only other readers of X_i) has run its backward before layer i's does.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ class _DepthSum(torch.autograd.Function):
             with exact_sum(grad):
                 grad, w = grad.to(sources.dtype), weights.to(sources.dtype)
                 if buffer.per_token:
-                    _per_token(sums).baddbmm_(_per_token(w).transpose(1, 2), _per_token(grad))
+                    # bmm then add: an in-place baddbmm_ into the strided view runs one small matmul per token on CPU
+                    _per_token(sums).add_(torch.bmm(_per_token(w).transpose(1, 2), _per_token(grad)))
                     if ctx.needs_input_grad[1]:
                         grad_weights = torch.matmul(grad, sources.transpose(-1, -2)).to(weights.dtype)
                 else:
