@@ -116,5 +116,5 @@ class _DepthSum(torch.autograd.Function):
             grad = None  # this sum's gradient is now in the buffer, X_i's share included
         if buffer.grads is not None:
             mine = buffer.entries(index, index + 1, source=buffer.grads).squeeze(-2 if buffer.per_token else 0)
-            grad = mine.to(ctx.x_dtype) if grad is None else grad + mine
+            grad = (mine if grad is None else grad + mine).to(ctx.x_dtype)
         return grad, grad_weights, None, None, None, None
