@@ -23,6 +23,7 @@ import satlab.data.tokenizer as tokenizer_module
 from satlab.config.errors import ConfigError
 from satlab.config.schema import DataConfig, TokenizerConfig
 from satlab.data import PreparedData, TextTokenizer, TrainBatches, ValidationWindows, ensure_corpus, prepare_data
+from satlab.data.common import atomic_directory
 from satlab.data.packing import token_dtype
 
 WORDS = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake", "the", "darling",
@@ -297,3 +298,24 @@ def test_failed_preparation_leaves_no_cache_entry(tmp_path: Path, monkeypatch: p
     with pytest.raises(KeyboardInterrupt):
         prepare_data(data_cfg(tmp_path), progress=False)
     assert list((tmp_path / "tokens").iterdir()) == []
+
+
+def test_a_cache_entry_prepared_meanwhile_is_kept_and_a_stale_one_replaced(tmp_path: Path) -> None:
+    """Two processes preparing one entry side by side: the second to finish keeps the first one's entry, which the
+    first may already be reading, instead of swapping it out from under it."""
+    target = tmp_path / "entry"
+
+    def is_current(directory: Path) -> bool:
+        return (directory / "meta").read_text() == "v2"
+
+    with atomic_directory(target, is_current) as mine:
+        (mine / "meta").write_text("v2")
+        with atomic_directory(target, is_current) as theirs:
+            (theirs / "meta").write_text("v2")
+        first = target.stat().st_ino
+    assert target.stat().st_ino == first and (target / "meta").read_text() == "v2"
+    (target / "meta").write_text("v1")
+    with atomic_directory(target, is_current) as rebuilt:
+        (rebuilt / "meta").write_text("v2")
+    assert target.stat().st_ino != first and (target / "meta").read_text() == "v2"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]

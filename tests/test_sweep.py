@@ -20,7 +20,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.sweep.loader import load_sweep
 from satlab.sweep.process import trial_command
-from satlab.sweep.study import PID, REASON, open_storage
+from satlab.sweep.study import LOG, PID, REASON, open_storage
 from satlab.training.launch import worker_env
 
 MICRO = {
@@ -62,6 +62,13 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
 def study_of(folder: Path, name: str = "micro") -> optuna.Study:
     url = f"sqlite:///{folder / 'study' / 'optuna.db'}"
     return optuna.load_study(study_name=name, storage=open_storage(url, create_tables=False))
+
+
+def outcome(trial: optuna.trial.FrozenTrial) -> str:
+    """A trial's state, reason and the end of its log: what an assertion on a sweep shows when it fails."""
+    log = Path(trial.user_attrs.get(LOG) or "")
+    tail = log.read_text(errors="replace")[-4000:] if log.is_file() else "(no log)"
+    return f"trial {trial.number} {trial.state.name}, reason {trial.user_attrs.get(REASON)!r}, log:\n{tail}"
 
 
 def wait_for_running(folder: Path, accept, timeout: float = 120) -> optuna.trial.FrozenTrial:
@@ -146,9 +153,11 @@ def micro_sweep(tmp_path_factory):
 def test_micro_sweep_records_complete_pruned_and_killed_trials(micro_sweep):
     folder, _, out = micro_sweep
     trials = {t.params["optim.lr"]: t for t in study_of(folder).trials}
-    assert trials[3e-3].state.name == "COMPLETE" and trials[3e-3].value > 0
-    assert trials[1e-3].state.name == "PRUNED" and trials[1e-3].user_attrs[REASON] == "gate_saturation"
-    assert trials[1e-2].state.name == "FAIL" and trials[1e-2].user_attrs[REASON] == "killed by SIGKILL"
+    assert trials[3e-3].state.name == "COMPLETE" and trials[3e-3].value > 0, outcome(trials[3e-3])
+    assert trials[1e-3].state.name == "PRUNED" and trials[1e-3].user_attrs[REASON] == "gate_saturation", \
+        outcome(trials[1e-3])
+    assert trials[1e-2].state.name == "FAIL" and trials[1e-2].user_attrs[REASON] == "killed by SIGKILL", \
+        outcome(trials[1e-2])
     assert "best transformer" in out
 
 

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -84,19 +84,21 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 @contextmanager
-def atomic_directory(target: Path, replace: bool = False) -> Iterator[Path]:
+def atomic_directory(target: Path, is_current: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``target`` and rename it to ``target`` when the block succeeds.
 
     A killed or failing preparation leaves at most a ``.<name>.tmp-*`` directory behind, never a half-written
-    ``target``. When another process finished ``target`` first, its copy is kept (cache entries are keyed by
-    content, so both are equal) unless ``replace`` is set, which swaps the old directory out.
+    ``target``. When ``target`` exists by then (another process prepared it meanwhile, or a stale entry was there
+    from the start), it is kept if ``is_current(target)`` says so (default: always, cache entries keyed by content
+    are equal), and swapped out otherwise. Never replacing a current entry matters: another process may be reading
+    it (two sweep trials preparing one cache side by side).
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)
     try:
         yield tmp
-        if replace and target.exists():
+        if target.exists() and is_current is not None and not is_current(target):
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / target.name)
             shutil.rmtree(old, ignore_errors=True)

@@ -196,10 +196,14 @@ def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float) -> tupl
         check_val_fraction(val_fraction)
     target = Path(cache_dir) / "corpora" / name
     signature = _signature(name, val_fraction)
-    meta = read_json(target / META_FILE)
-    if meta is not None and meta.get("signature") == signature:
-        return target, meta
-    with atomic_directory(target, replace=True) as tmp:
+
+    def is_current(directory: Path) -> bool:
+        meta = read_json(directory / META_FILE)
+        return meta is not None and meta.get("signature") == signature
+
+    if is_current(target):
+        return target, read_json(target / META_FILE)
+    with atomic_directory(target, is_current) as tmp:
         held_out: dict[str, list[str]] = {"validation": [], "test": []}
         with SplitWriter(tmp) as writer:
             for doc in CORPORA[name].documents(source):

@@ -27,6 +27,7 @@ from optuna.trial import FrozenTrial
 from rich.console import Console
 
 from satlab.config.schema import ExperimentConfig
+from satlab.data import prepare_data
 from satlab.sweep.mlflow_runs import close_trial, ensure_parent_run, tracking_target
 from satlab.sweep.process import trial_command
 from satlab.sweep.report import write_report
@@ -79,13 +80,14 @@ def resolve_spec(spec: SweepSpec, base: ExperimentConfig, storage: str | None = 
 def run_sweep(spec: SweepSpec, workers: int = 1, n_trials: int | None = None, storage: str | None = None,
               console: Console | None = None) -> SweepResult:
     """Run ``n_trials`` (default ``spec.n_trials``) more trials of the study with ``workers`` in parallel, then
-    write the report onto the parent run. The storage and the MLflow store are created here, before any trial
-    process opens them (two processes creating one sqlite database race)."""
+    write the report onto the parent run. The base config's data, the storage and the MLflow store are prepared
+    here, before any trial process opens them (two processes creating one sqlite database race)."""
     console = console or Console()
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats, retries, constraints: experimental
     base = spec.base_config()
     spec = resolve_spec(spec, base, storage)
     spec.study_dir().mkdir(parents=True, exist_ok=True)
+    prepare_data(base.data, progress=False)  # once, here: the trials find it cached instead of racing to build it
     stale = StaleTrialRetry(None, spec.trial.max_retry)
     study = create_study(spec, open_storage(spec.storage, spec.trial, stale))  # a bad storage fails before MLflow
     tracking_uri, artifacts = tracking_target(base)
