@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from satlab.config.errors import ConfigError
 from satlab.config.model import (
     ARCHITECTURE_NAMES,
     GATE_FUNCTIONS,
@@ -33,6 +34,7 @@ VARIANTS = (
         dict(arch="denseformer", denseformer=dict(dilation=2, period=2)),
         dict(arch="hyperconnections", hyperconnections=dict(expansion=2)),
         dict(arch="muddformer", muddformer=dict(ffn_realloc=True)),
+        dict(arch="satformer", tie_embeddings=False, embed_init_std=1.0),
     ]
 )
 
@@ -175,7 +177,8 @@ def test_depth_buffer_sums_have_the_values_and_gradients_of_stacked_sums(per_tok
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_every_variant_with_one_layer_is_transformer(variant):
-    reference = perturbed_transformer(n_layers=1)
+    backbone = {k: v for k, v in variant.items() if k in ("tie_embeddings", "embed_init_std")}
+    reference = perturbed_transformer(n_layers=1, **backbone)
     model = make(variant, n_layers=1)
     load_same_weights(model, reference)
     assert_same_logits(model, reference)
@@ -256,3 +259,17 @@ def test_flops_per_token_matches_flop_counter(arch):
         model(idx).logits.logsumexp(-1).mean().backward()
     measured = counter.get_total_flops() / (batch * seq_len)
     assert abs(measured / flops_per_token(model, seq_len) - 1) < 0.02
+
+
+def test_an_untied_head_and_a_larger_embedding_init_are_options_off_the_spec():
+    tied = make(dict(arch="transformer"))
+    untied = make(dict(arch="transformer", tie_embeddings=False, embed_init_std=1.0))
+    assert tied.lm_head is None and tied.lm_head_weight is tied.embed.weight
+    assert untied.lm_head_weight is untied.lm_head.weight
+    assert count_params(untied) == count_params(tied) + SMALL["vocab_size"] * SMALL["d_model"]
+    assert non_embedding_params(untied) == non_embedding_params(tied)
+    assert flops_per_token(untied, 64) == flops_per_token(tied, 64)
+    assert 0.9 < untied.embed.weight.std().item() < 1.1 and 0.017 < untied.lm_head.weight.std().item() < 0.023
+    assert 0.017 < tied.embed.weight.std().item() < 0.023
+    with pytest.raises(ConfigError, match="embed_init_std must be null"):
+        build_model({**SMALL, "embed_init_std": 0.0})

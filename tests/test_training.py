@@ -131,3 +131,30 @@ def test_loading_a_missing_or_corrupt_checkpoint_says_what_is_wrong(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="cannot be read"):
         load_checkpoint(bad)
+
+
+def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
+    """The module clips with the norm it logs (one pass over the gradients); the parameters after three steps with
+    clipping active equal a plain loop's AdamW + ``clip_grad_norm_`` + scheduler steps."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from satlab.bench.overhead import _bare_loop
+    from satlab.config.derived import derive_schedule
+    from satlab.training.module import LMModule
+
+    cfg = load_experiment("default", [*TINY[:4], "model.vocab_size=64", "data.seq_len=32", "train.micro_batch_size=4",
+                                      "train.global_batch_tokens=128", "train.max_tokens=384", "optim.grad_clip=0.05"])
+    schedule = derive_schedule(cfg)
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(0))
+    sample = (tokens[:, :-1], tokens[:, 1:])
+    torch.manual_seed(0)
+    bare = LMModule(cfg, schedule)
+    torch.manual_seed(0)
+    lightning = LMModule(cfg, schedule)
+    _bare_loop(bare, sample, cfg, schedule, steps=3, warmup=0)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=cfg.optim.grad_clip,
+              limit_val_batches=0).fit(lightning, train_dataloaders=DataLoader([sample] * 3, batch_size=None))
+    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

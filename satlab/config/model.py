@@ -84,6 +84,14 @@ class MUDDFormerOptions:
 
 @dataclass
 class ModelConfig:
+    """The backbone and its variant options. Sizes left at ``None`` come from the ``size`` preset.
+
+    ``embed_init_std`` (``None``: ``init_std``) and ``tie_embeddings`` are the two ways off the spec's backbone
+    (tied head, every weight N(0, 0.02)): at width 128 that init keeps the token's identity small next to what the
+    blocks add to the residual stream, and a tiny model then takes thousands of steps to form induction heads;
+    an untied head with N(0, 1) embeddings forms them in a few hundred (``experiments/recall/``).
+    """
+
     arch: str = "satformer"
     size: str = "tiny"
     d_model: int | None = None
@@ -96,6 +104,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    embed_init_std: float | None = None
+    tie_embeddings: bool = True
     resformer: ResFormerOptions = field(default_factory=ResFormerOptions)
     satformer: SATFormerOptions = field(default_factory=SATFormerOptions)
     denseformer: DenseFormerOptions = field(default_factory=DenseFormerOptions)
@@ -172,6 +182,8 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
     if cfg.rope_theta <= 0 or cfg.norm_eps <= 0 or cfg.init_std <= 0:
         problems.append("model.rope_theta, model.norm_eps and model.init_std must be positive")
+    if cfg.embed_init_std is not None and cfg.embed_init_std <= 0:
+        problems.append(f"model.embed_init_std must be null (= model.init_std) or positive, got {cfg.embed_init_std!r}")
     sat = cfg.satformer
     if sat.gate_granularity not in GATE_GRANULARITIES:
         problems.append(unknown_name("model.satformer.gate_granularity", sat.gate_granularity, GATE_GRANULARITIES))

@@ -33,18 +33,22 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(stream.make_block(cfg, i, value_paths[i]) for i in range(cfg.n_layers))
         self.value_shared = value_shared
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """The spec's init: every Linear and the embedding N(0, init_std), norms 1, then each variant part's own."""
+        """The spec's init: every Linear and the embedding N(0, init_std), norms 1, then each variant part's own;
+        the embedding N(0, embed_init_std) where that is set."""
         std = self.cfg.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        if self.cfg.embed_init_std is not None:
+            nn.init.normal_(self.embed.weight, std=self.cfg.embed_init_std)
         if hasattr(self.stream, "output_init_std"):
             for block in self.blocks:
                 nn.init.normal_(block.attn.o_proj.weight, std=self.stream.output_init_std(std))
@@ -55,7 +59,7 @@ class DecoderLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:
-        return self.embed.weight  # tied
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, idx: Tensor, cache: KVCache | None = None, return_gates: bool = False) -> ModelOutput:
         """Logits (B, T, vocab) for token ids (B, T); with a cache, ``idx`` continues the cached sequence."""

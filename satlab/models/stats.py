@@ -6,20 +6,21 @@ from torch import nn
 
 
 def count_params(model: nn.Module) -> int:
-    """All parameters, the tied embedding/head counted once."""
+    """All parameters, a tied embedding/head counted once."""
     return sum(p.numel() for p in model.parameters())
 
 
 def non_embedding_params(model) -> int:
-    """Parameters outside the token embedding (the tied head shares it, so it is excluded too)."""
-    return count_params(model) - model.embed.weight.numel()
+    """Parameters outside the token embedding and the LM head (tied by default: then one matrix)."""
+    head = 0 if model.lm_head is None else model.lm_head.weight.numel()
+    return count_params(model) - model.embed.weight.numel() - head
 
 
 def flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token: 6·(N_non_emb + V·d) + 12·L·d·T, plus the depth loop's own mixing matmuls.
 
-    The tied LM head is a matmul that runs once per token, so it is counted once (as V·d) although its weight is the
-    embedding's; the embedding lookup is free. 12·L·d·T is the attention score and value matmuls (forward and
+    The LM head is a matmul that runs once per token, counted as V·d (tied by default, when its weight is the
+    embedding's); the embedding lookup is free. 12·L·d·T is the attention score and value matmuls (forward and
     backward, causal masking not discounted), as in torchtitan and nanoGPT. Hyper-connections add their stream
     mixing (about 2 % at the tiny size, < 0.1 % at the paper sizes).
     """

@@ -43,6 +43,7 @@ class LMModule(L.LightningModule):
         self._step_losses: list[torch.Tensor] = []
         self.skipped_steps = 0
         self.stop_reason: str | None = None
+        self._grad_norm: torch.Tensor | None = None
 
     def configure_model(self) -> None:
         """Per-block compile, then FSDP2 sharding under the model-parallel strategy (see ``parallel.py``)."""
@@ -80,15 +81,26 @@ class LMModule(L.LightningModule):
         self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
         self.log("tokens_seen", float(self.tokens_seen))
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if hasattr(total, "full_tensor"):  # FSDP2 shards gradients as DTensors
-            total = total.full_tensor()
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # a DTensor under FSDP2, as clipping wants it
+        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self._grad_norm = None
         if not (torch.isfinite(step_loss) and torch.isfinite(total)):
             self._skip_step(step_loss, total)
         else:
+            self._grad_norm = norm
             self.log("train/grad_norm", total)
         self.log("train/skipped_steps", float(self.skipped_steps))
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip by norm with the norm already computed for logging: one pass over the gradients instead of two.
+        Lightning's FSDP strategy keeps flat gradient shards whose norm only its own clipping reduces across ranks,
+        so that strategy (and clipping by value) goes through Lightning."""
+        if (gradient_clip_val and gradient_clip_algorithm in (None, "norm") and self._grad_norm is not None
+                and self.cfg.train.strategy != "fsdp"):
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), gradient_clip_val, self._grad_norm)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _skip_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Drop this step's gradients (AdamW leaves parameters without a gradient untouched) and count it; past
