@@ -273,3 +273,36 @@ def test_an_untied_head_and_a_larger_embedding_init_are_options_off_the_spec():
     assert 0.017 < tied.embed.weight.std().item() < 0.023
     with pytest.raises(ConfigError, match="embed_init_std must be null"):
         build_model({**SMALL, "embed_init_std": 0.0})
+
+
+def token_mqar(batch: int, pairs: int = 8, queries: int = 24, keys: int = 32, values: int = 32,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Zoology's multi-query associative recall at the token level: ``pairs`` (key, value) tokens, then ``queries``
+    keys drawn from them, each followed by its value. Keys are ids [0, keys), values [keys, keys + values)."""
+    k = torch.stack([torch.randperm(keys, generator=generator)[:pairs] for _ in range(batch)])
+    v = torch.randint(keys, keys + values, (batch, pairs), generator=generator)
+    asked = torch.randint(0, pairs, (batch, queries), generator=generator)
+    context = torch.stack([k, v], 2).flatten(1)
+    return torch.cat([context, torch.stack([k.gather(1, asked), v.gather(1, asked)], 2).flatten(1)], 1)
+
+
+@pytest.mark.slow
+def test_the_tiny_backbone_with_an_untied_head_and_unit_embeddings_learns_token_mqar():
+    """The tiny preset (6 layers, d=128) with ``tie_embeddings=false, embed_init_std=1`` retrieves every queried
+    value after 400 steps of 32 sequences (it did by step 300 when measured; with the spec's tied N(0, 0.02)
+    embedding the same run was at 0.17 after 800 steps, chance being 0.125 among the 8 values in context)."""
+    torch.manual_seed(0)
+    model = build_model(dict(arch="transformer", size="tiny", vocab_size=64, max_seq_len=64,
+                             tie_embeddings=False, embed_init_std=1.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        x = token_mqar(32, generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    x = token_mqar(64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        predicted = model(x[:, :-1]).logits[:, 16::2].argmax(-1)
+    assert (predicted == x[:, 17::2]).float().mean().item() > 0.9
