@@ -133,6 +133,7 @@ def test_loading_a_missing_or_corrupt_checkpoint_says_what_is_wrong(tmp_path):
         load_checkpoint(bad)
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
     """The module clips with the norm it logs (one pass over the gradients); the parameters after three steps with
     clipping active equal a plain loop's AdamW + ``clip_grad_norm_`` + scheduler steps."""
