@@ -90,8 +90,9 @@ class ModelConfig:
     (tied head, every weight N(0, 0.02)). At width 128 the spec's init keeps each token's identity small next to
     what the blocks add to the residual stream: on token-level associative recall the tiny preset was still near
     chance after 800 steps, while with an untied head and N(0, 1) embeddings it retrieved every value by step 300
-    (``tests/test_models.py``, slow). In language-model training with recall documents mixed in the same change did
-    not bring copying earlier (``experiments/recall/``).
+    (64 token ids, ``tests/test_models.py``, slow; with 4,096 ids it had not started by step 300: each value's row
+    of an untied head is learned on its own). In language-model training with recall documents mixed in, the same
+    change did not bring copying earlier (``experiments/recall/``).
     """
 
     arch: str = "satformer"
