@@ -134,6 +134,8 @@ def test_synthetic_documents_never_use_evaluation_formats_or_words(source: str) 
     assert not re.search(r"\d{3}", text)  # 3-digit values, phone numbers and birth years alike
     assert not re.search(r"look\s*up|phone", text, re.IGNORECASE)
     assert not re.search(r"^(name|city|employer|born)\s*:", text, re.MULTILINE)  # SWDE-like records
+    layouts = {"recall": {"pairs", "inline", "sentences", "setget"}, "copy": {"copy"}}[source]
+    assert {d.layout for d in docs} == layouts
     assert synthetic_document(source, 7).text == docs[7].text
 
 

@@ -197,13 +197,14 @@ def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float) -> tupl
     target = Path(cache_dir) / "corpora" / name
     signature = _signature(name, val_fraction)
 
-    def is_current(directory: Path) -> bool:
+    def current_meta(directory: Path) -> dict[str, Any] | None:
+        """The folder's metadata if it was built with this signature, else None."""
         meta = read_json(directory / META_FILE)
-        return meta is not None and meta.get("signature") == signature
+        return meta if meta is not None and meta.get("signature") == signature else None
 
-    if is_current(target):
-        return target, read_json(target / META_FILE)
-    with atomic_directory(target, is_current) as tmp:
+    if (meta := current_meta(target)) is not None:
+        return target, meta
+    with atomic_directory(target, lambda directory: current_meta(directory) is not None) as tmp:
         held_out: dict[str, list[str]] = {"validation": [], "test": []}
         with SplitWriter(tmp) as writer:
             for doc in CORPORA[name].documents(source):
