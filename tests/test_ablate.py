@@ -246,3 +246,49 @@ def test_a_killed_ablation_resumes_only_the_unfinished_cells(tmp_path: Path) -> 
     result = run_ablation(spec, workers=1, report=False)
     first = [c.key for c in spec.cells() if c.seed == 0][0]
     assert result.skipped == [first] and len(result.finished) == 3 and not result.failed
+
+
+def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_each_difficulty(tmp_path: Path) -> None:
+    from satlab.ablate.report import write_report
+    from satlab.ablate.runs import create_parent_run
+
+    spec = spec_from_dict({"name": "recall-report", "base": "recall/mqar", "out_dir": str(tmp_path / "out"),
+                           "axes": {"data.mqar.num_pairs": [2, 4],
+                                    "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]}})
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = create_parent_run(client, spec, None)
+    experiment = client.get_run(parent).info.experiment_id
+    accuracy = {("transformer", 2): [0.50, 0.51, 0.49], ("resformer", 2): [0.50, 0.52, 0.50],
+                ("satformer", 2): [0.95, 0.97, 0.96],  # a clear win where the others plateau
+                ("transformer", 4): [0.99, 0.99, 0.992], ("resformer", 4): [0.99, 0.991, 0.99],
+                ("satformer", 4): [0.80, 0.82, 0.81]}  # a clear loss
+    reached = {("satformer", 2): [900, 1000, 1100], ("transformer", 4): [1000, 1100, 1200],
+               ("resformer", 4): [1000, 1200, 1100], ("satformer", 4): [1500, 1600, None]}
+    for cell in spec.cells():
+        values = dict(cell.values)
+        point = (values["model.arch"], values["data.mqar.num_pairs"])
+        run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key})
+        final = accuracy[point][cell.seed]
+        for step, acc in ((0, 0.0), (500, final / 2), (1000, final)):
+            client.log_metric(run.info.run_id, "recall/acc", acc, step=step)
+            client.log_metric(run.info.run_id, "val/loss", 2 - acc, step=step)
+        steps = reached.get(point, [None] * 3)[cell.seed]
+        if steps is not None:
+            client.log_metric(run.info.run_id, "recall/steps_to_0.9", steps, step=1000)
+        client.log_param(run.info.run_id, "derived.tokens_per_step", 4096)
+        client.set_terminated(run.info.run_id)
+    files = write_report(spec, client, parent)
+    header, *rows = json.loads(files["summary"].read_text())["table"]
+    assert header[:6] == ["cell", "seeds", "params", "held-out acc", "p acc vs Transformer", "p acc vs ResFormer"]
+    by_cell = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+    win = by_cell["num_pairs=2, arch=satformer"]
+    assert win["held-out acc"].startswith("0.960 ± 0.010") and float(win["p acc vs Transformer"]) < 1e-3
+    assert by_cell["num_pairs=2, arch=transformer"]["p acc vs Transformer"] == "reference"
+    assert by_cell["num_pairs=2, arch=transformer"]["steps to 0.9"] == "— (0/3)"
+    partial = by_cell["num_pairs=4, arch=satformer"]
+    assert partial["steps to 0.9"] == "1,550 ± 71 (2/3)" and partial["p steps 0.9 vs Transformer"] == "—"
+    assert by_cell["num_pairs=4, arch=resformer"]["p steps 0.9 vs Transformer"] != "—"
+    markdown = files["markdown"].read_text()
+    assert "SATFormer retrieves better than Transformer (held-out accuracy, num_pairs=2): **held**" in markdown
+    assert "SATFormer retrieves better than ResFormer (held-out accuracy, num_pairs=4): **did not hold**" in markdown
+    assert files["accuracy_vs_difficulty"].exists() and files["loss_curves"].exists()

@@ -44,6 +44,18 @@ TRAIN_CASES = [
      ["/nonexistent/corpus/*.txt"]),
     ("misspelt embedded corpus", ["data.source=shakespear"], ["shakespear", "shakespeare"]),
     ("plain-folder tracking store", ["tracking.uri=./mlruns-folder"], ["mlruns-folder", "sqlite:///"]),
+    ("unknown synthetic task", ["data.source=synthetic:mqr"], ["mqr", "did you mean 'mqar'", "synthetic:mqar"]),
+    ("unknown recall layout", ["data.source=synthetic:mqar", "data.mqar.layout=interleaved"],
+     ["interleaved", "adjacent", "separated", "multi_token_key"]),
+    ("recall sequence too short", ["data.source=synthetic:mqar", "data.seq_len=16", "data.mqar.num_pairs=8"],
+     ["data.seq_len=16", "needs >= 24", "num_pairs"]),
+    ("more recall pairs than keys", ["data.source=synthetic:mqar", "data.mqar.vocab_size=10",
+                                     "data.mqar.num_pairs=6"], ["num_pairs=6", "4 key and 4 value tokens"]),
+    ("recall stop accuracy above 1", ["data.source=synthetic:mqar", "data.mqar.stop_at_acc=1.5"],
+     ["stop_at_acc", "(0, 1]", "1.5"]),
+    ("data mix on a synthetic source", ["data.source=synthetic:mqar", "data.mix.recall=0.1"],
+     ["data.mix", "synthetic source"]),
+    ("negative MLP width", ["model.mlp_hidden=-1"], ["model.mlp_hidden", ">= 0", "-1"]),
 ]
 
 

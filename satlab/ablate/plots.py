@@ -1,5 +1,5 @@
-"""The report's figures: validation loss against tokens seen, overlaid per group (mean over seeds with its range),
-and the groups' gate heatmaps side by side."""
+"""The report's figures: a validation metric against tokens seen, overlaid per group (mean over seeds with its
+range), a metric against a difficulty axis per architecture, and the groups' gate heatmaps side by side."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from matplotlib.ticker import EngFormatter  # noqa: E402
 from satlab.ablate.results import GroupResult  # noqa: E402
 
 
-def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Path, title: str) -> Path | None:
-    """One line per group: the mean val/loss over its seeds at the token counts they share, shaded from the lowest
-    to the highest seed. None when no run logged a curve."""
+def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Path, title: str,
+                ylabel: str = "validation loss") -> Path | None:
+    """One line per group: the mean of its curve metric (val/loss) over its seeds at the token counts they share,
+    shaded from the lowest to the highest seed. None when no run logged a curve."""
     figure, axes = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab10")
     tops = []
@@ -42,7 +43,42 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
     axes.set_ylim(low, max(tops) + 0.05 * (max(tops) - low))  # the untrained first point would squash the rest
     axes.xaxis.set_major_formatter(EngFormatter())
     axes.set_xlabel("tokens seen")
-    axes.set_ylabel("validation loss")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def metric_vs_axis(groups: Sequence[GroupResult], axis: str, line_key: str, metric: str, names: dict[str, str],
+                   path: Path, title: str) -> Path | None:
+    """One line per value of ``line_key`` (the architecture): the mean of ``metric`` over seeds at each value of
+    ``axis`` (the difficulty), in grid order, with ± one std. None when no group has the metric."""
+    points = [v for v in dict.fromkeys(g.values[axis] for g in groups)]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    drawn = False
+    for line in dict.fromkeys(g.values[line_key] for g in groups):
+        xs, means, stds = [], [], []
+        for i, point in enumerate(points):
+            group = next((g for g in groups if g.values[line_key] == line and g.values[axis] == point), None)
+            samples = [] if group is None else group.samples(metric)
+            if samples:
+                xs.append(i)
+                means.append(float(np.mean(samples)))
+                stds.append(float(np.std(samples, ddof=1)) if len(samples) > 1 else 0.0)
+        if xs:
+            axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=names.get(line, str(line)))
+            drawn = True
+    if not drawn:
+        plt.close(figure)
+        return None
+    axes.set_xticks(range(len(points)), [str(p) for p in points])
+    axes.set_xlabel(axis)
+    axes.set_ylabel(metric.replace("_", " "))
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)

@@ -1,6 +1,9 @@
-"""Reading an ablation's results back from MLflow: per cell its final metrics, loss curve and gate heatmap, grouped
-over seeds. Only FINISHED child runs count (the newest one per cell); a metric a run never logged stays None, so
-the report can show it as missing rather than as zero."""
+"""Reading an ablation's results back from MLflow: per cell its final metrics, learning curve and gate heatmap,
+grouped over seeds. Only FINISHED child runs count (the newest one per cell); a metric a run never logged stays
+None, so the report can show it as missing rather than as zero (for ``recall/steps_to_*``: not reached).
+
+Language-model ablations report :data:`COLUMNS` with the validation-loss curve; ablations of a synthetic recall task
+(``data.source=synthetic:mqar``) report :data:`RECALL_COLUMNS` with the held-out accuracy curve."""
 
 from __future__ import annotations
 
@@ -36,6 +39,32 @@ COLUMNS = (
     Column("peak_mem_gb", "peak mem (GB)", "perf/peak_mem_gb", "max", "{:.2f}"),
     Column("gate_sparsity", "gate sparsity", "gates/sparsity", "last", "{:.2f}"),
 )
+RECALL_COLUMNS = (
+    Column("recall_acc", "held-out acc", "recall/acc", "last", "{:.3f}"),
+    Column("recall_best", "best acc", "recall/acc", "max", "{:.3f}"),
+    Column("steps_to_0.9", "steps to 0.9", "recall/steps_to_0.9", "last", "{:,.0f}"),
+    Column("steps_to_0.99", "steps to 0.99", "recall/steps_to_0.99", "last", "{:,.0f}"),
+    Column("val_loss", "answer loss", "val/loss", "last", "{:.3f}"),
+    Column("tokens_per_sec", "tokens/s", "perf/tokens_per_sec", "mean", "{:,.0f}"),
+)
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What a report reads from each cell: its columns and the metric of its curve."""
+
+    columns: tuple[Column, ...]
+    curve_key: str
+    curve_label: str
+
+
+LM_MEASURES = Measures(COLUMNS, "val/loss", "validation loss")
+RECALL_MEASURES = Measures(RECALL_COLUMNS, "recall/acc", "held-out recall accuracy")
+
+
+def measures_for(spec: AblationSpec) -> Measures:
+    """Recall columns for an ablation of a synthetic recall task, language-model columns otherwise."""
+    return RECALL_MEASURES if spec.base_config().data.synthetic_task else LM_MEASURES
 
 
 @dataclass
@@ -44,7 +73,7 @@ class CellResult:
     run_id: str
     metrics: dict[str, float | None]
     params: int | None
-    curve: list[tuple[float, float]]  # (tokens seen, val/loss)
+    curve: list[tuple[float, float]]  # (tokens seen, the curve metric: val/loss or recall/acc)
 
 
 @dataclass
@@ -64,7 +93,8 @@ class GroupResult:
         return next((c.params for c in self.cells if c.params is not None), None)
 
 
-def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str) -> list[GroupResult]:
+def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
+            measures: Measures = LM_MEASURES) -> list[GroupResult]:
     """Every group of the grid in grid order (groups with no finished cell included, empty)."""
     parent = client.get_run(parent_run_id)
     runs: dict[str, Run] = {}
@@ -76,14 +106,14 @@ def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str)
     for cell in spec.cells():
         group = groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, seeds))
         if cell.key in runs:
-            group.cells.append(cell_result(client, cell, runs[cell.key]))
+            group.cells.append(cell_result(client, cell, runs[cell.key], measures))
     return list(groups.values())
 
 
-def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run) -> CellResult:
+def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run, measures: Measures = LM_MEASURES) -> CellResult:
     run_id = run.info.run_id
     metrics: dict[str, float | None] = {}
-    for column in COLUMNS:
+    for column in measures.columns:
         if column.key not in run.data.metrics:
             metrics[column.name] = None
         elif column.reduce == "last":
@@ -93,17 +123,18 @@ def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run) -> CellResult
             metrics[column.name] = sum(history) / len(history) if column.reduce == "mean" else max(history)
     params = run.data.params
     curve = loss_curve(client, run_id, float(params.get("derived.tokens_per_step") or 0),
-                       int(params.get("derived.max_steps") or 0))
+                       int(params.get("derived.max_steps") or 0), measures.curve_key)
     count = params.get("model.params")
     return CellResult(cell, run_id, metrics, int(count) if count else None, curve)
 
 
 def loss_curve(client: mlflow.MlflowClient, run_id: str, tokens_per_step: float,
-               max_steps: int) -> list[tuple[float, float]]:
-    """``val/loss`` against tokens seen. Lightning logs a validation inside training at the index of the step it
-    follows (after s + 1 optimizer steps, where ``tokens_seen`` is logged too), the one before training at step 0 and
-    the one after it at step ``max_steps``."""
-    history = sorted(client.get_metric_history(run_id, "val/loss"), key=lambda m: (m.step, m.timestamp))
+               max_steps: int, key: str = "val/loss") -> list[tuple[float, float]]:
+    """A validation metric (``val/loss``) against tokens seen. Lightning logs a validation inside training at the
+    index of the step it follows (after s + 1 optimizer steps, where ``tokens_seen`` is logged too), the one before
+    training at step 0 and the one after it at step ``max_steps`` (or after the step a run stopped early at, which
+    repeats the last point)."""
+    history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     points = []
     for i, metric in enumerate(history):
         done = 0 if i == 0 and metric.step == 0 else max_steps if 0 < max_steps <= metric.step else metric.step + 1

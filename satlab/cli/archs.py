@@ -30,6 +30,7 @@ VARIANTS: list[tuple[str, dict]] = [
 
 def archs_table(size: str, seq_len: int | None = None, all_functions: bool = False) -> Table:
     """A rich table of parameter counts (built on the meta device: no memory is allocated)."""
+    from satlab.config.errors import ConfigError
     from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
 
     table = Table(title=f"satlab architectures at size '{size}'")
@@ -40,7 +41,11 @@ def archs_table(size: str, seq_len: int | None = None, all_functions: bool = Fal
         gate_fn = overrides.get("satformer", {}).get("gate_fn", "relu")
         if not all_functions and gate_fn != "relu":
             continue
-        model = build_model(dict(size=size, **overrides), device="meta")
+        try:
+            model = build_model(dict(size=size, **overrides), device="meta")
+        except ConfigError:  # a variant that does not exist at this depth (last_k=2 of a 2-layer model)
+            table.add_row(label, "—", "—", "—", "—")
+            continue
         total = count_params(model)
         base = base or total
         seq = seq_len or model.cfg.max_seq_len

@@ -20,6 +20,9 @@ def run(args: argparse.Namespace) -> int:
         problems.append(unknown_name("size", args.size, SIZE_PRESETS))
     if problems:
         raise ConfigError(problems)
+    if args.recall:
+        return run_recall(args)
+    args.batch, args.seq_len = args.batch or 8, args.seq_len or 256
     from satlab.bench.throughput import run_bench
 
     results = run_bench(archs, args.size, args.batch, args.seq_len, args.rounds, args.warmup, args.device,
@@ -37,6 +40,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     if not args.no_mlflow:
         print(f"MLflow run {log_to_mlflow(report, out)} in experiment 'bench'")
+    return 0
+
+
+def run_recall(args: argparse.Namespace) -> int:
+    """`satlab bench --recall`: plain loop, zoo in a bare loop, and satlab's trainer on MQAR batches."""
+    from satlab.bench.recall_path import PHASES, recall_path_bench
+
+    report = recall_path_bench(batch=args.batch or 512, seq_len=args.seq_len or 64, steps=args.rounds,
+                               warmup=args.warmup)
+    table = Table(title=f"synthetic recall step, batch {report['batch']} x {report['seq_len']}, head at the answers "
+                        f"(median of {args.rounds} steps)")
+    for column in ("loop", "step ms", "vs plain", *(f"{p} ms" for p in PHASES)):
+        table.add_column(column, justify="left" if column == "loop" else "right")
+    plain = report["plain"]["step_s"]
+    for name, label in (("plain", "plain PyTorch model"), ("zoo_bare", "satlab zoo, bare loop"),
+                        ("satlab_trainer", "satlab trainer (Lightning)")):
+        row = report[name]
+        table.add_row(label, f"{1e3 * row['step_s']:.1f}", f"{row['step_s'] / plain:.2f}",
+                      *(f"{1e3 * row[f'{p}_s']:.1f}" if f"{p}_s" in row else "—" for p in PHASES))
+    make_console().print(table)
+    out = Path(args.out if args.out != "reports/bench.json" else "reports/bench_recall.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
     return 0
 
 

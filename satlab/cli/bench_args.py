@@ -10,8 +10,8 @@ ALL_ARCHS = "transformer,resformer,satformer,denseformer,hyperconnections,muddfo
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archs", default=ALL_ARCHS, help=f"comma-separated architectures (default: {ALL_ARCHS})")
     parser.add_argument("--size", default="tiny", help="model size preset (default: tiny)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8; --recall: 512)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256; --recall: 64)")
     parser.add_argument("--rounds", type=int, default=10, help="measured steps per architecture, interleaved")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per architecture first")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
@@ -21,3 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overhead", action="store_true", help="skip the Lightning vs bare-loop measurement")
     parser.add_argument("--out", default="reports/bench.json", help="JSON output (default: reports/bench.json)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
+    parser.add_argument("--recall", action="store_true",
+                        help="instead: the synthetic-recall path (experiments/recall/mqar) against a plain PyTorch "
+                             "loop, with the time per phase")

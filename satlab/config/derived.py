@@ -7,6 +7,7 @@ the trainer needs optimizer steps. Everything here is computed once, up front, b
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from satlab.config.errors import ConfigError
@@ -29,7 +30,8 @@ class Schedule:
             ``optim.warmup_fraction * max_steps``; rounded, between 0 and ``max_steps``.
         val_every_steps: steps between validations (``train.val_every_tokens``), in ``[1, max_steps]``.
         ckpt_every_steps: steps between checkpoints (``train.ckpt_every_tokens``), in ``[1, max_steps]``.
-        val_batches: micro-batches per validation, ``val_tokens // micro_batch_tokens`` (at least 1).
+        val_batches: micro-batches per validation, ``val_tokens // micro_batch_tokens`` (at least 1); for a
+            synthetic task, enough to cover its whole held-out set (``train.val_tokens`` does not apply).
         eval_every_steps: steps between downstream evaluations (``eval.every_tokens``), or ``None`` for none
             during training.
     """
@@ -89,6 +91,7 @@ def derive_schedule(cfg: ExperimentConfig, world_size: int = 1) -> Schedule:
         warmup_steps=min(max_steps, max(0, warmup)),
         val_every_steps=every(train.val_every_tokens),
         ckpt_every_steps=every(train.ckpt_every_tokens),
-        val_batches=max(1, train.val_tokens // micro_batch_tokens),
+        val_batches=(math.ceil(cfg.data.mqar.eval_sequences / train.micro_batch_size) if cfg.data.synthetic_task
+                     else max(1, train.val_tokens // micro_batch_tokens)),
         eval_every_steps=None if cfg.eval.every_tokens is None else every(cfg.eval.every_tokens),
     )

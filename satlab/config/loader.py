@@ -29,6 +29,8 @@ from satlab.config.schema import (
     RESUME_MODES,
     SOURCE_KINDS,
     STRATEGIES,
+    SYNTHETIC_PREFIX,
+    SYNTHETIC_TASKS,
     TOKENIZER_KINDS,
     ExperimentConfig,
 )
@@ -239,6 +241,14 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
         if value not in valid:
             problems.append(unknown_name(key, value, valid))
     problems.extend(mix_problems(cfg.data.mix))
+    task = cfg.data.synthetic_task
+    if task is not None and task not in SYNTHETIC_TASKS:
+        problems.append(unknown_name("synthetic task (data.source)", task, SYNTHETIC_TASKS)
+                        + f"; write it as data.source={SYNTHETIC_PREFIX}{SYNTHETIC_TASKS[0]}")
+    elif task is not None:
+        problems.extend(cfg.data.mqar.problems(cfg.data.seq_len))
+        if cfg.data.mix:
+            problems.append("data.mix mixes documents into a text corpus; it does not apply to a synthetic source")
     if cfg.data.tokenizer.kind == "hub" and not cfg.data.tokenizer.name:
         problems.append("data.tokenizer.name is required when data.tokenizer.kind is 'hub'")
     max_seq_len = cfg.model.max_seq_len or SIZE_PRESETS.get(cfg.model.size, {}).get("max_seq_len")

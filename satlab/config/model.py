@@ -32,6 +32,9 @@ SIZE_PRESETS: dict[str, dict[str, int]] = {
     "medium": dict(d_model=1024, n_layers=18, n_heads=16, mlp_hidden=4096, vocab_size=32000, max_seq_len=4096),
     "large": dict(d_model=1536, n_layers=19, n_heads=24, mlp_hidden=6144, vocab_size=32000, max_seq_len=4096),
     "xl": dict(d_model=2048, n_layers=24, n_heads=32, mlp_hidden=5632, vocab_size=32000, max_seq_len=4096),
+    # Synthetic recall (data.source=synthetic:mqar): Zoology's smallest attention models, one head of 64, no MLP.
+    "recall-2l": dict(d_model=64, n_layers=2, n_heads=1, mlp_hidden=0, vocab_size=8192, max_seq_len=1024),
+    "recall-4l": dict(d_model=64, n_layers=4, n_heads=1, mlp_hidden=0, vocab_size=8192, max_seq_len=1024),
 }
 # The spec's parameter counts (tied embeddings), used by the preset tests.
 PAPER_PARAM_COUNTS = {"small": 128e6, "medium": 335e6, "large": 766e6, "xl": 1.30e9}
@@ -167,8 +170,10 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
         problems.append(unknown_name("architecture (model.arch)", cfg.arch, ARCHITECTURE_NAMES))
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "vocab_size", "max_seq_len"):
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"model.{name} must be a positive integer, got {value!r}")
+        least = 0 if name == "mlp_hidden" else 1  # mlp_hidden 0: attention-only blocks
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            what = "an integer >= 0 (0: no MLP sublayer)" if least == 0 else "a positive integer"
+            problems.append(f"model.{name} must be {what}, got {value!r}")
     if problems:
         return problems
     if cfg.d_model % cfg.n_heads:

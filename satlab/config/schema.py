@@ -16,6 +16,85 @@ STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
 RESUME_MODES = ("auto", "never")
 MIX_SOURCES = ("recall", "copy")
 """Synthetic document sources ``data.mix`` can mix into the train split (see ``satlab.data.synthetic``)."""
+SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_TASKS = ("mqar",)
+"""``data.source=synthetic:<task>``: token-level tasks generated on the fly (see ``satlab.data.mqar``)."""
+MQAR_LAYOUTS = ("adjacent", "separated", "multi_token_key")
+
+
+@dataclass
+class MQARConfig:
+    """Multi-query associative recall (Zoology), the task of ``data.source: synthetic:mqar``.
+
+    A sequence of ``data.seq_len`` tokens holds ``num_pairs`` key-value pairs, then a query region of random filler
+    tokens in which ``num_queries`` keys appear again (null: each key once); the model is scored only at the query
+    keys, where the next token is the key's value. Keys come from one half of the vocabulary, values from the other.
+    Layouts: ``adjacent`` (``k v``, Zoology's), ``separated`` (``k = v``: the lookup needs a key -> separator ->
+    value composition) and ``multi_token_key`` (``k k' v``: a key is two tokens, queried as both).
+
+    Training sequences are drawn fresh from (``train.seed``, sequence index), so a resumed run sees the same ones;
+    the held-out set (``eval_sequences`` sequences) depends only on the task's settings, so every architecture and
+    seed is scored on the same items, and no training sequence equals one of them. ``stop_at_acc`` ends the run at
+    the first validation whose held-out accuracy reaches it (Zoology stops at 0.99); null trains the full budget.
+    """
+
+    vocab_size: int = 8192
+    num_pairs: int = 4
+    num_queries: int | None = None
+    layout: str = "adjacent"
+    eval_sequences: int = 1000
+    stop_at_acc: float | None = None
+
+    @property
+    def key_len(self) -> int:
+        return 2 if self.layout == "multi_token_key" else 1
+
+    @property
+    def pair_len(self) -> int:
+        """Tokens one key-value pair takes in the context: key, separator (``separated``), value."""
+        return self.key_len + (1 if self.layout == "separated" else 0) + 1
+
+    @property
+    def queries(self) -> int:
+        return self.num_pairs if self.num_queries is None else self.num_queries
+
+    @property
+    def first_key(self) -> int:
+        """Token ids: 0 end-of-text (unused in sequences), 1 the separator, keys from 2, values after the keys."""
+        return 2
+
+    @property
+    def num_keys(self) -> int:
+        return (self.vocab_size - self.first_key) // 2
+
+    def problems(self, seq_len: int) -> list[str]:
+        """Why these settings cannot make a sequence of ``seq_len`` tokens (empty when they can)."""
+        if self.layout not in MQAR_LAYOUTS:
+            return [f"data.mqar.layout must be one of {', '.join(MQAR_LAYOUTS)}, got {self.layout!r}"]
+        problems = []
+        if self.vocab_size < 6:
+            problems.append(f"data.mqar.vocab_size must be >= 6 (end-of-text, separator, 2 keys, 2 values), "
+                            f"got {self.vocab_size}")
+        if self.num_pairs < 1 or self.queries < 1:
+            problems.append(f"data.mqar.num_pairs and num_queries must be >= 1, got {self.num_pairs} and "
+                            f"{self.num_queries}")
+        if self.eval_sequences < 1:
+            problems.append(f"data.mqar.eval_sequences must be >= 1, got {self.eval_sequences}")
+        if self.stop_at_acc is not None and not 0 < self.stop_at_acc <= 1:
+            problems.append(f"data.mqar.stop_at_acc must be null or in (0, 1], got {self.stop_at_acc}")
+        if problems:
+            return problems
+        distinct = self.num_keys ** self.key_len
+        if self.num_pairs > min(distinct, self.vocab_size - self.first_key - self.num_keys):
+            problems.append(f"data.mqar.num_pairs={self.num_pairs} needs that many distinct keys and values; "
+                            f"vocab_size={self.vocab_size} gives {self.num_keys} key and "
+                            f"{self.vocab_size - self.first_key - self.num_keys} value tokens")
+        needed = self.num_pairs * self.pair_len + self.queries * self.key_len
+        if needed > seq_len:
+            problems.append(f"data.seq_len={seq_len} is too short for {self.num_pairs} {self.layout} pairs "
+                            f"({self.pair_len} tokens each) and {self.queries} queries ({self.key_len} each): "
+                            f"it needs >= {needed}; raise data.seq_len or lower data.mqar.num_pairs")
+        return problems
 
 
 @dataclass
@@ -34,6 +113,7 @@ class DataConfig:
 
     ``source`` is an embedded corpus name (``shakespeare``, ``kjv``, ``pystdlib``), a local file, folder or glob
     (text, jsonl or parquet), or a Hugging Face hub dataset name; ``source_kind: auto`` decides in that order.
+    ``synthetic:mqar`` is no text at all: token-level associative recall generated on the fly (``mqar``).
 
     ``mix`` maps a synthetic source (``recall``: associative-recall documents; ``copy``: repeated random sequences,
     which teach a small model to copy before recall asks it to) to its share of the TRAIN tokens, e.g.
@@ -55,6 +135,12 @@ class DataConfig:
     num_workers: int = 0
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     mix: dict[str, float] = field(default_factory=dict)
+    mqar: MQARConfig = field(default_factory=MQARConfig)
+
+    @property
+    def synthetic_task(self) -> str | None:
+        """``mqar`` for ``source: synthetic:mqar``; None for text sources."""
+        return self.source.removeprefix(SYNTHETIC_PREFIX) if self.source.startswith(SYNTHETIC_PREFIX) else None
 
 
 @dataclass

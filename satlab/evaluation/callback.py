@@ -55,8 +55,8 @@ class EvaluationCallback(L.Callback):
                 print("satlab: the lm-eval suite runs in one process; evaluate this distributed run's checkpoint "
                       "with `satlab eval ckpt=...`", file=sys.stderr)
             return
-        if not self.cfg.eval.tasks:
-            return
+        if not self.cfg.eval.tasks or self.cfg.data.synthetic_task:  # text tasks mean nothing to a synthetic-token
+            return                                                        # model: its held-out recall is its score
         with torch.compiler.set_stance("force_eager"):
             results = run_tasks(pl_module.model, trainer.datamodule.tokenizer, self.cfg.eval.tasks,
                                 limit=self.cfg.eval.limit, cache_dir=self.cfg.data.cache_dir,

@@ -150,7 +150,8 @@ class Block(nn.Module):
     loop that is not a plain residual (hyper-connections, MUDD) can wire them its own way.
 
     ``separate_kv_norms`` gives the key and value inputs their own RMSNorm (MUDDFormer feeds q, k and v from
-    different aggregates); otherwise one norm feeds all three.
+    different aggregates); otherwise one norm feeds all three. ``mlp_hidden=0`` leaves the MLP sublayer out
+    (attention-only blocks, as in Zoology's associative-recall models): ``feedforward`` then adds nothing.
     """
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None, mlp_hidden: int,
@@ -161,8 +162,8 @@ class Block(nn.Module):
         self.attn_norm_k = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
         self.attn_norm_v = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
         self.attn = Attention(cfg, layer_idx, value_path)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, mlp_hidden)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if mlp_hidden > 0 else None
+        self.mlp = SwiGLU(cfg.d_model, mlp_hidden) if mlp_hidden > 0 else None
 
     def attend(self, xq: Tensor, rope, v1, v1_weight=None, cache=None, xk: Tensor | None = None,
                xv: Tensor | None = None) -> AttentionOutput:
@@ -172,6 +173,8 @@ class Block(nn.Module):
         return self.attn(hq, hk, hv, rope, v1, v1_weight, cache)
 
     def feedforward(self, x: Tensor) -> Tensor:
+        if self.mlp is None:
+            return torch.zeros_like(x)
         return self.mlp(self.mlp_norm(x))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], v1: Tensor | None, v1_weight: Tensor | None = None,
@@ -179,4 +182,6 @@ class Block(nn.Module):
         """Returns (block output, V_1, gate)."""
         attn = self.attend(x, rope, v1, v1_weight, cache)
         x = x + attn.out
-        return x + self.feedforward(x), attn.v1, attn.gate
+        if self.mlp is not None:
+            x = x + self.feedforward(x)
+        return x, attn.v1, attn.gate

@@ -52,7 +52,8 @@ class DecoderLM(nn.Module):
         if hasattr(self.stream, "output_init_std"):
             for block in self.blocks:
                 nn.init.normal_(block.attn.o_proj.weight, std=self.stream.output_init_std(std))
-                nn.init.normal_(block.mlp.down_proj.weight, std=self.stream.output_init_std(std))
+                if block.mlp is not None:
+                    nn.init.normal_(block.mlp.down_proj.weight, std=self.stream.output_init_std(std))
         for module in self.modules():
             if module is not self and hasattr(module, "init_weights"):
                 module.init_weights()
@@ -61,13 +62,21 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, idx: Tensor, cache: KVCache | None = None, return_gates: bool = False) -> ModelOutput:
-        """Logits (B, T, vocab) for token ids (B, T); with a cache, ``idx`` continues the cached sequence."""
+    def forward(self, idx: Tensor, cache: KVCache | None = None, return_gates: bool = False,
+                select: Tensor | None = None) -> ModelOutput:
+        """Logits (B, T, vocab) for token ids (B, T); with a cache, ``idx`` continues the cached sequence.
+
+        ``select``, a (B, T) bool mask, computes the head only at those positions and returns logits (n, vocab) in
+        row-major order of the mask: a task scored at a few answer positions (synthetic recall) skips the
+        vocabulary projection everywhere else, which is most of a small model's cost.
+        """
         start = 0 if cache is None else cache.length
         rope = self.rotary.tables(start, idx.shape[1])
         v1_weights = self.value_shared() if self.value_shared is not None else None
         ctx = DepthContext(self.blocks, rope, v1_weights, cache)
         x = self.stream(self.embed(idx), ctx)
+        if select is not None:
+            x = x[select]
         logits = nn.functional.linear(self.norm(x), self.lm_head_weight)
         return ModelOutput(logits, ctx.gates if return_gates else None)
 

@@ -9,11 +9,13 @@ from torch.utils.data import DataLoader
 from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
 from satlab.data import TrainBatches, ValidationWindows, prepare_data
+from satlab.data.mqar import MQARBatches, MQARHeldOut, MQARTask
 
 
 class LMDataModule(L.LightningDataModule):
     """Tokenizes and packs the data at construction (rank 0 of a single process, or every rank reading the same
-    content-hashed cache), so the model can be sized from the tokenizer before the Trainer exists.
+    content-hashed cache), so the model can be sized from the tokenizer before the Trainer exists. A synthetic
+    source (``synthetic:mqar``) has nothing to prepare: its task generates every batch from the seed.
 
     The training stream starts at ``global_step × tokens_per_step`` tokens: a resumed run continues exactly where the
     checkpoint was taken, whatever the number of workers.
@@ -22,23 +24,31 @@ class LMDataModule(L.LightningDataModule):
     def __init__(self, cfg: ExperimentConfig, progress: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.data = prepare_data(cfg.data, progress=progress)
+        self.task = MQARTask(cfg.data.mqar, cfg.data.seq_len) if cfg.data.synthetic_task == "mqar" else None
+        self.data = None if self.task is not None else prepare_data(cfg.data, progress=progress)
         self.schedule: Schedule | None = None
         self.start_token = 0
 
     @property
     def vocab_size(self) -> int:
-        return self.data.vocab_size
+        return self.task.vocab_size if self.task is not None else self.data.vocab_size
+
+    @property
+    def head_fraction(self) -> float:
+        """The share of positions the LM head runs at: the answers of a recall task, every position of text."""
+        return 1.0 if self.task is None else self.task.answers_per_sequence / self.cfg.data.seq_len
 
     @property
     def tokenizer(self):
-        return self.data.tokenizer
+        return self.task.tokenizer if self.task is not None else self.data.tokenizer
 
     def set_schedule(self, schedule: Schedule) -> None:
         self.schedule = schedule
 
     def provenance(self) -> dict[str, str]:
         """Data facts for the run's params: source, tokenizer, token counts (and the Python version of pystdlib)."""
+        if self.task is not None:
+            return self.task.provenance()
         meta = self.data.meta
         facts = {"data.tokenizer_fingerprint": self.data.tokenizer.fingerprint,
                  "data.vocab_size_actual": self.data.vocab_size}
@@ -54,6 +64,12 @@ class LMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         self.start_token = trainer.global_step * self.schedule.tokens_per_step if trainer else 0
+        if self.task is not None:
+            batches = MQARBatches(self.task, self.cfg.train.micro_batch_size, self.cfg.train.seed,
+                                  rank=trainer.global_rank if trainer else 0,
+                                  world_size=trainer.world_size if trainer else 1, start_token=self.start_token)
+            return DataLoader(batches, batch_size=None, num_workers=self.cfg.data.num_workers,
+                              persistent_workers=self.cfg.data.num_workers > 0)
         batches = TrainBatches(
             self.data, self.cfg.data.seq_len, self.cfg.train.micro_batch_size, self.cfg.train.seed,
             rank=trainer.global_rank if trainer else 0, world_size=trainer.world_size if trainer else 1,
@@ -63,11 +79,14 @@ class LMDataModule(L.LightningDataModule):
                           persistent_workers=self.cfg.data.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
-        windows = ValidationWindows(self.data, self.cfg.data.seq_len, self.cfg.train.val_tokens)
+        if self.task is not None:
+            windows = MQARHeldOut(self.task)
+        else:
+            windows = ValidationWindows(self.data, self.cfg.data.seq_len, self.cfg.train.val_tokens)
         return DataLoader(windows, batch_size=self.cfg.train.micro_batch_size, shuffle=False)
 
     def state_dict(self) -> dict:
-        return {"start_token": self.start_token, "tokenizer": self.data.tokenizer.fingerprint}
+        return {"start_token": self.start_token, "tokenizer": self.tokenizer.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         self.start_token = state.get("start_token", 0)

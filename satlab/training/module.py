@@ -14,6 +14,7 @@ import torchmetrics
 
 from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
+from satlab.data.mqar import IGNORE_INDEX
 from satlab.models import build_model
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.checkpoint import satlab_entry
@@ -28,8 +29,18 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+RECALL_THRESHOLDS = (0.9, 0.99)
+"""Held-out recall accuracies whose first crossing a recall run records (``recall/steps_to_<t>``)."""
+
+
 class LMModule(L.LightningModule):
-    """Next-token cross-entropy on a zoo model, AdamW with warmup + cosine, validation loss and perplexity."""
+    """Next-token cross-entropy on a zoo model, AdamW with warmup + cosine, validation loss and perplexity.
+
+    On a synthetic recall task only the answer positions have targets: the LM head runs there alone
+    (``select``), validation also logs the held-out accuracy ``recall/acc``, the first step at which it reaches
+    each of :data:`RECALL_THRESHOLDS` (``recall/steps_to_<t>``, ``recall/sequences_to_<t>``), and the run stops
+    at ``data.mqar.stop_at_acc`` (a resumed run that had stopped stays stopped).
+    """
 
     def __init__(self, cfg: ExperimentConfig, schedule: Schedule, tokenizer=None):
         super().__init__()
@@ -44,6 +55,10 @@ class LMModule(L.LightningModule):
         self.skipped_steps = 0
         self.stop_reason: str | None = None
         self._grad_norm: torch.Tensor | None = None
+        self.answers_only = cfg.data.synthetic_task is not None
+        self.val_correct = torchmetrics.SumMetric()
+        self.recall_reached: dict[str, int] = {}  # threshold -> the first step whose validation reached it
+        self.reached_stop_acc = False
 
     def configure_model(self) -> None:
         """Per-block compile, then FSDP2 sharding under the model-parallel strategy (see ``parallel.py``)."""
@@ -59,12 +74,48 @@ class LMModule(L.LightningModule):
     def forward(self, idx: torch.Tensor):
         return self.model(idx)
 
+    def scored_logits(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, targets) flattened to the scored positions: every position of text, the answers of a recall
+        task (the head computed there only)."""
+        if self.answers_only:
+            scored = targets != IGNORE_INDEX
+            return self.model(idx, select=scored).logits, targets[scored]
+        return self.model(idx).logits.flatten(0, 1), targets.flatten()
+
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(idx).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        logits, labels = self.scored_logits(idx, targets)
+        return F.cross_entropy(logits.float(), labels)
 
     def on_train_start(self) -> None:
         self.tokens_seen = self.global_step * self.schedule.tokens_per_step
+        if self.answers_only and self.global_step > 0 and self.global_step % self.schedule.val_every_steps == 0:
+            self._replay_validation()
+        if self.reached_stop_acc:  # resumed after stopping at data.mqar.stop_at_acc: nothing left to train
+            self.trainer.should_stop = True
+
+    @torch.no_grad()
+    def _replay_validation(self) -> None:
+        """A checkpoint is written before the validation of its step, so a run killed after that validation would
+        resume without what it recorded: score the held-out set again (the same weights) and record it, unlogged."""
+        loader = self.trainer.datamodule.val_dataloader()
+        correct = total = 0
+        self.model.eval()
+        for idx, targets in loader:
+            logits, labels = self.scored_logits(idx.to(self.device), targets.to(self.device))
+            correct += int((logits.argmax(-1) == labels).sum())
+            total += labels.numel()
+        self.model.train()
+        self._record_recall(correct / max(1, total))
+
+    def _record_recall(self, accuracy: float) -> None:
+        for threshold in RECALL_THRESHOLDS:
+            key = f"{threshold:g}"
+            if accuracy >= threshold and key not in self.recall_reached:
+                self.recall_reached[key] = self.global_step
+        stop_at = self.cfg.data.mqar.stop_at_acc
+        if stop_at is not None and accuracy >= stop_at and self.trainer.state.fn == "fit":
+            self.reached_stop_acc = True
+            self.trainer.should_stop = True
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         idx, targets = batch
@@ -119,22 +170,40 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         idx, targets = batch
-        self.val_loss.update(self.loss(idx, targets), weight=targets.numel())
+        logits, labels = self.scored_logits(idx, targets)
+        self.val_loss.update(F.cross_entropy(logits.float(), labels), weight=labels.numel())
+        if self.answers_only:
+            self.val_correct.update((logits.argmax(-1) == labels).sum())
 
     def on_validation_epoch_end(self) -> None:
+        count = self.val_loss.weight.clone()
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
+        if self.answers_only:
+            self._log_recall(float(self.val_correct.compute() / count))
+            self.val_correct.reset()
+
+    def _log_recall(self, accuracy: float) -> None:
+        self.log("recall/acc", accuracy, prog_bar=True)
+        self._record_recall(accuracy)
+        for key, first in self.recall_reached.items():  # logged at every validation, so the last value is the answer
+            self.log(f"recall/steps_to_{key}", float(first))
+            self.log(f"recall/sequences_to_{key}", float(first * self.schedule.tokens_per_step / self.cfg.data.seq_len))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is not None:
             checkpoint[CHECKPOINT_KEY] = satlab_entry(self.cfg, self.tokenizer)
-        checkpoint["satlab_train_state"] = {"skipped_steps": self.skipped_steps, "rng": rng_state()}
+        checkpoint["satlab_train_state"] = {"skipped_steps": self.skipped_steps, "rng": rng_state(),
+                                            "recall_reached": dict(self.recall_reached),
+                                            "reached_stop_acc": self.reached_stop_acc}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("satlab_train_state", {})
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.recall_reached = dict(state.get("recall_reached", {}))
+        self.reached_stop_acc = bool(state.get("reached_stop_acc", False))
         if "rng" in state:
             set_rng_state(state["rng"])
 

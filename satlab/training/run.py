@@ -6,7 +6,7 @@ import json
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import lightning as L
@@ -53,6 +53,7 @@ class RunResult:
     final_train_loss: float | None
     tokens_per_sec: float | None
     wall_seconds: float
+    recall: dict[str, float] = field(default_factory=dict)  # a recall task's recall/* metrics at the end
 
 
 def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
@@ -132,7 +133,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
     data.set_schedule(schedule)
     module = LMModule(cfg, schedule, data.tokenizer)
-    flops = flops_per_token(module.model, cfg.data.seq_len)
+    flops = flops_per_token(module.model, cfg.data.seq_len, data.head_fraction)
 
     logger = make_logger(cfg, run_dir, info, preset, target)
     if logger is not None:
@@ -160,7 +161,8 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                                   f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # the final state, whatever the interval
         train_loss = trainer.callback_metrics.get("train/loss")
-        final_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+        final = trainer.validate(module, datamodule=data, verbose=False)[0]
+        final_val = float(final["val/loss"])
     except BaseException as error:
         if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
             logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
@@ -179,6 +181,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         final_train_loss=None if train_loss is None else float(train_loss),
         tokens_per_sec=throughput.mean_tokens_per_sec,
         wall_seconds=time.perf_counter() - started,
+        recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
     )
     if logger is not None:
         logger.finalize("success")

@@ -13,6 +13,19 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def recall_rows(cfg: ExperimentConfig, recall: dict[str, float]) -> list[tuple[str, str]]:
+    """A recall task's held-out accuracy and the steps at which it first reached each threshold."""
+    if "recall/acc" not in recall:
+        return []
+    rows = [("held-out recall accuracy", f"{recall['recall/acc']:.4f} ({cfg.data.mqar.eval_sequences:,} sequences)")]
+    for threshold in ("0.9", "0.99"):
+        steps = recall.get(f"recall/steps_to_{threshold}")
+        seqs = recall.get(f"recall/sequences_to_{threshold}")
+        rows.append((f"first reached {threshold} at", "not reached" if steps is None else
+                     f"step {steps:,.0f} ({seqs:,.0f} sequences)"))
+    return rows
+
+
 def print_summary(cfg: ExperimentConfig, result, console: Console | None = None) -> None:
     import math
 
@@ -25,6 +38,7 @@ def print_summary(cfg: ExperimentConfig, result, console: Console | None = None)
         ("val loss: start -> end", f"{_fmt(result.initial_val_loss, '.4f')} -> {_fmt(result.final_val_loss, '.4f')}"),
         ("val perplexity", _fmt(None if result.final_val_loss is None else math.exp(result.final_val_loss), ".2f")),
         ("final train loss", _fmt(result.final_train_loss, ".4f")),
+        *recall_rows(cfg, result.recall),
         ("tokens/s (training)", _fmt(result.tokens_per_sec, ",.0f")),
         ("wall time", f"{result.wall_seconds / 60:.1f} min"),
         ("checkpoints", str(result.run_dir / "checkpoints")),
