@@ -292,3 +292,21 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
     assert "SATFormer retrieves better than Transformer (held-out accuracy, num_pairs=2): **held**" in markdown
     assert "SATFormer retrieves better than ResFormer (held-out accuracy, num_pairs=4): **did not hold**" in markdown
     assert files["accuracy_vs_difficulty"].exists() and files["loss_curves"].exists()
+
+
+def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_path: Path) -> None:
+    overrides = {"data.mqar.vocab_size": 64, "data.seq_len": 16, "data.mqar.num_pairs": 2,
+                 "data.mqar.eval_sequences": 64, "train.micro_batch_size": 16, "train.global_batch_tokens": 256,
+                 "train.max_tokens": 5120, "train.val_every_tokens": 2560, "train.ckpt_every_tokens": 5120,
+                 "train.accelerator": "cpu", "tracking.uri": f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
+                 "train.out_dir": str(tmp_path / "runs")}
+    path = tmp_path / "recall.yml"
+    path.write_text(yaml.safe_dump({"name": "micro-recall", "base": "recall/mqar", "overrides": overrides,
+                                    "out_dir": str(tmp_path / "out"),
+                                    "axes": {"model.arch": ["transformer", "satformer"]}}))
+    result = run_ablation(load_ablation(path), workers=2)
+    assert not result.failed and len(result.finished) == 2
+    header, *rows = json.loads(result.report["summary"].read_text())["table"]
+    assert header[3] == "held-out acc" and "p acc vs Transformer" in header
+    assert all(0 <= float(row[3]) <= 1 for row in rows)
+    assert "SATFormer retrieves better than Transformer" in result.report["markdown"].read_text()

@@ -116,7 +116,7 @@ def prepare_data_once(configs: list[ExperimentConfig], console: Console) -> None
     """Tokenize and pack each distinct data config once, here, rather than in every parallel cell."""
     from satlab.data.prepare import prepare_data
 
-    distinct = {repr(cfg.data): cfg.data for cfg in configs}
+    distinct = {repr(cfg.data): cfg.data for cfg in configs if not cfg.data.synthetic_task}  # generated per step
     for data in distinct.values():
         console.print(f"preparing data: {data.source} ({data.tokenizer.kind} tokenizer, seq_len {data.seq_len})")
         prepare_data(data)

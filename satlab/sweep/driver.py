@@ -87,7 +87,8 @@ def run_sweep(spec: SweepSpec, workers: int = 1, n_trials: int | None = None, st
     base = spec.base_config()
     spec = resolve_spec(spec, base, storage)
     spec.study_dir().mkdir(parents=True, exist_ok=True)
-    prepare_data(base.data, progress=False)  # once, here: the trials find it cached instead of racing to build it
+    if not base.data.synthetic_task:  # once, here: the trials find it cached instead of racing to build it
+        prepare_data(base.data, progress=False)
     stale = StaleTrialRetry(None, spec.trial.max_retry)
     study = create_study(spec, open_storage(spec.storage, spec.trial, stale))  # a bad storage fails before MLflow
     tracking_uri, artifacts = tracking_target(base)
