@@ -56,6 +56,10 @@ TRAIN_CASES = [
     ("data mix on a synthetic source", ["data.source=synthetic:mqar", "data.mix.recall=0.1"],
      ["data.mix", "synthetic source"]),
     ("negative MLP width", ["model.mlp_hidden=-1"], ["model.mlp_hidden", ">= 0", "-1"]),
+    ("run name that climbs out of the runs folder", ["name=../evil"], ["'../evil'", "letters, digits"]),
+    ("run name with a slash", ["name=a/b"], ["'a/b'", "'.', '_' and '-'"]),
+    ("run name that is a dot", ["name=."], ["'.'", "not '.' or '..'"]),
+    ("run name with a space", ["name=my run"], ["'my run'", "1 to 200"]),
 ]
 
 
@@ -123,8 +127,46 @@ def test_resuming_with_another_tokenizer_is_refused(tmp_path, capsys):
     runs_before = sorted(p.name for p in (tmp_path / "runs").iterdir())
     code, err = run_cli([*argv, "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300",
                          "train.max_tokens=1024"], tmp_path, capsys)
-    assert code == 2 and "byte, vocab 258" in err and "bpe" in err and "train.resume=never" in err
+    assert code == 2 and "data.tokenizer.kind: byte -> bpe" in err and "train.resume=never" in err
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
+
+
+def test_resuming_a_finished_run_with_another_model_is_refused_and_leaves_it_as_it_was(tmp_path, capsys):
+    import mlflow
+
+    from satlab.config.loader import load_experiment
+    from satlab.training.run import train
+
+    small = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+             "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4",
+             "train.global_batch_tokens=256", "train.max_tokens=512", "train.val_tokens=256", "name=sized",
+             "eval.at_end=false"]
+    argv = isolated(tmp_path, *small)
+    first = train(load_experiment("default", argv[1:]), progress=False)
+    files = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*"))
+    code, err = run_cli([*argv, "model.d_model=48", "optim.lr=1e-3", "train.max_tokens=1024"], tmp_path, capsys)
+    assert code == 2, err
+    assert "model.d_model: 32 -> 48" in err and "optim.lr: 0.003 -> 0.001" in err and "train.max_tokens" not in \
+        err.split("a resume may change only")[0]
+    assert "another name" in err and "train.max_tokens" in err.split("a resume may change only")[1]
+    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*")) == files
+    run = mlflow.MlflowClient(first.tracking_uri).get_run(first.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    extended = train(load_experiment("default", [*argv[1:], "train.max_tokens=1024"]), progress=False)
+    assert extended.mlflow_run_id == first.mlflow_run_id and extended.tokens == 1024
+
+
+def test_a_run_whose_only_checkpoint_is_unreadable_is_refused_not_restarted_elsewhere(tmp_path, capsys):
+    argv = isolated(tmp_path, "data.source=kjv", "data.tokenizer.kind=byte", "name=broken")
+    checkpoints = tmp_path / "runs" / "broken" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").write_bytes(b"not a checkpoint")
+    code, err = run_cli(argv, tmp_path, capsys)
+    assert code == 2 and "run 'broken' cannot resume" in err and "last.ckpt.corrupt" in err and "remove" in err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["broken"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt.corrupt"]
+    code, err = run_cli(argv, tmp_path, capsys)  # the same answer the second time
+    assert code == 2 and "last.ckpt.corrupt" in err
 
 
 class _Down(http.server.BaseHTTPRequestHandler):

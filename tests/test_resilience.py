@@ -81,6 +81,21 @@ def test_sigkill_then_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
     assert all(resumed[step] == whole[step] for step in resumed), "losses differ after resuming"
 
 
+def test_a_second_run_of_the_same_name_is_refused_while_the_first_trains_and_accepted_after_it_is_killed(tmp_path):
+    first = start(tmp_path, "shared")
+    lock = tmp_path / "runs" / "shared" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().strip()):
+        assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
+        time.sleep(0.05)
+    second = start(tmp_path, "shared")
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and f"PID {first.pid}" in err and "another name" in err, err
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    finish(start(tmp_path, "shared"))
+
+
 def test_sigterm_writes_a_checkpoint_then_the_run_resumes_in_the_same_mlflow_run(tmp_path):
     proc = start(tmp_path, "preempted")
     wait_for_checkpoint(tmp_path, "preempted", proc)

@@ -23,7 +23,7 @@ from satlab.ablate.runs import ABLATION_TAG, CELL_TAG, GROUP_TAG, PARENT_TAG, en
 from satlab.ablate.spec import AblationSpec, Cell, format_value
 from satlab.ablate.state import STATE_FILE, AblationState
 from satlab.config.errors import ConfigError
-from satlab.config.loader import load_experiment
+from satlab.config.loader import load_experiment, safe_run_name
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import nest
 from satlab.training.tracking import ensure_reachable, resolve_tracking
@@ -99,7 +99,7 @@ def write_cell_config(spec: AblationSpec, cell: Cell, base: ExperimentConfig, pa
             GROUP_TAG: cell.group}
     flat: dict[str, Any] = {k: v for k, v in spec.overrides.items() if not k.startswith("tracking.tags")}
     flat.update(dict(cell.values))
-    flat.update({"name": f"{spec.name}-{cell.slug}", "description": f"ablation {spec.name}: {cell.key}",
+    flat.update({"name": safe_run_name(f"{spec.name}-{cell.slug}"), "description": f"ablation {spec.name}: {cell.key}",
                  "train.out_dir": str((Path(base.train.out_dir) / "ablations" / spec.name).resolve()),
                  "train.resume": "auto", "tracking.uri": tracking_uri, "tracking.experiment": spec.experiment_name})
     data = {"base": str(spec.base_path()), **nest(flat)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from decimal import Decimal, InvalidOperation
@@ -40,6 +41,8 @@ ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
 MAX_MIX_SHARE = 0.5
 """The largest share of the train tokens one ``data.mix`` source may take."""
+RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+"""A run name is one path component under ``train.out_dir``: letters, digits, ``.``, ``_`` and ``-``."""
 
 # A layer is (where it came from, its plain nested dict).
 Layer = tuple[str, Mapping[str, Any]]
@@ -229,6 +232,9 @@ def _merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: s
 def _value_problems(cfg: ExperimentConfig) -> list[str]:
     """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
     problems = []
+    if not RUN_NAME.match(cfg.name) or cfg.name in (".", ".."):
+        problems.append(f"name {cfg.name!r} is not a run name: it names the folder {cfg.train.out_dir}/<name>, so it "
+                        "must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or '..')")
     for keys, in_range, expected in _RANGES:
         for key in keys:
             value = attrgetter(key)(cfg)
@@ -273,6 +279,11 @@ def mix_problems(mix: Mapping[str, float]) -> list[str]:
     if len(mix) > 1 and not total < 1:
         problems.append(f"the shares of data.mix must sum to < 1 (the rest is the corpus), got {total!r}")
     return problems
+
+
+def safe_run_name(text: str) -> str:
+    """``text`` made into a valid run name: every other character becomes ``-`` (for generated names)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)[:200].strip(".") or "run"
 
 
 def batch_problems(global_batch_tokens: int, micro_batch_size: int, seq_len: int, world_size: int) -> list[str]:

@@ -1,8 +1,9 @@
 """What keeps a run alive across crashes and pre-emption: atomic checkpoint writes, a resume that skips a corrupt
-checkpoint, and a checkpoint on SIGTERM."""
+checkpoint, a checkpoint on SIGTERM, and the lock that keeps two processes out of one run."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
@@ -13,7 +14,43 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from satlab.config.errors import ConfigError
 from satlab.training.checkpoint import KEY
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run dir>/.lock`` for as long as a process trains the run, so a second ``satlab
+    train`` of the same name is refused instead of writing into the same checkpoints and MLflow run. The lock file
+    holds the owner's PID for the message; the operating system drops the lock when the process dies, so a
+    SIGKILL never leaves a run locked."""
+
+    def __init__(self, run_dir: Path, name: str):
+        self.path, self.name, self.fd = run_dir / LOCK_FILE, name, None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"run '{self.name}' is being trained by another process (PID {holder}), which holds {self.path}; "
+                "wait for it to finish or stop it (its checkpoints let it resume later), or train under another "
+                "name (name=...)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

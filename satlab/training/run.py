@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -17,8 +18,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.derived import Schedule, derive_schedule
-from satlab.config.display import flatten, to_yaml
+from satlab.config.display import config_from_yaml, flatten, to_yaml
 from satlab.config.errors import ConfigError, RunStopped
+from satlab.config.resume import RESUMABLE, resume_problems
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import TextTokenizer
 from satlab.models import count_params, flops_per_token, non_embedding_params
@@ -27,7 +29,7 @@ from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
 from satlab.training.perf import ThroughputCallback
-from satlab.training.resilience import AtomicCheckpointIO, CheckpointOnSigterm, find_resume_checkpoint
+from satlab.training.resilience import AtomicCheckpointIO, CheckpointOnSigterm, RunLock, find_resume_checkpoint
 from satlab.training.summary import print_summary
 from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_tracking
 
@@ -58,12 +60,22 @@ class RunResult:
 
 def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
     """(run dir, checkpoint to resume from or None, saved run info). ``resume: auto`` continues ``runs/<name>``
-    from its last checkpoint; ``never`` starts a new numbered directory rather than touching an earlier run."""
+    from its last readable checkpoint, or starts there when it has none; a run whose every checkpoint is unreadable
+    is refused (they are kept as ``*.corrupt``), never silently restarted. ``never`` starts a new numbered
+    directory rather than touching an earlier run."""
     base = Path(cfg.train.out_dir) / cfg.name
-    resume_from = find_resume_checkpoint(base / "checkpoints") if cfg.train.resume == "auto" else None
-    if resume_from is not None:
-        info_path = base / RUN_INFO
-        return base, resume_from, json.loads(info_path.read_text()) if info_path.exists() else {}
+    if cfg.train.resume == "auto":
+        resume_from = find_resume_checkpoint(base / "checkpoints")
+        if resume_from is not None:
+            info_path = base / RUN_INFO
+            return base, resume_from, json.loads(info_path.read_text()) if info_path.exists() else {}
+        corrupt = sorted(p.name for p in (base / "checkpoints").glob("*.corrupt"))
+        if corrupt:
+            raise ConfigError(
+                f"run '{cfg.name}' cannot resume: every checkpoint in {base / 'checkpoints'} is unreadable (kept as "
+                f"{', '.join(corrupt)}). Nothing was changed: to start it over, remove the folder {base} (its MLflow "
+                "run stays as it is), or train under another name (name=...)")
+        return base, None, {}
     run_dir, n = base, 1
     while (run_dir / "checkpoints").exists():
         n += 1
@@ -81,9 +93,17 @@ def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None]
     return ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local), artifacts
 
 
-def check_same_tokenizer(ckpt_path: Path, tokenizer) -> None:
-    """A run resumes only with the tokenizer it was trained with (else its embeddings would mean other tokens)."""
+def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> None:
+    """A run resumes only with the config it was started with, but for what may change (``config.resume``), and
+    with the same tokenizer (else its embeddings would mean other tokens)."""
     state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    changes = resume_problems(config_from_yaml(state[CHECKPOINT_KEY]["config"]), cfg)
+    if changes:
+        raise ConfigError(
+            f"run '{cfg.name}' has a checkpoint ({ckpt_path}) made with other settings, and resuming it would "
+            f"continue one experiment as another: {'; '.join(changes)}. Nothing of that run was changed. Start a new "
+            "run under another name (name=...) or with train.resume=never; a resume may change only "
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}")
     saved = TextTokenizer.from_dict(state[CHECKPOINT_KEY]["tokenizer"])
     if saved.fingerprint != tokenizer.fingerprint:
         raise ConfigError(
@@ -123,71 +143,72 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
     run_dir, ckpt_path, info = run_directory(cfg)
     if ckpt_path is not None:
-        check_same_tokenizer(ckpt_path, data.tokenizer)
+        check_resumable(ckpt_path, cfg, data.tokenizer)
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
     target = tracking_target(cfg, info)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    if rank_zero_only.rank == 0:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext():
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if rank_zero_only.rank == 0:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
-    data.set_schedule(schedule)
-    module = LMModule(cfg, schedule, data.tokenizer)
-    flops = flops_per_token(module.model, cfg.data.seq_len, data.head_fraction)
+        schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
+        data.set_schedule(schedule)
+        module = LMModule(cfg, schedule, data.tokenizer)
+        flops = flops_per_token(module.model, cfg.data.seq_len, data.head_fraction)
 
-    logger = make_logger(cfg, run_dir, info, preset, target)
-    if logger is not None:
-        info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
-                "experiment": logger._experiment_name}
-        (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))
-        if ckpt_path is None:
-            logger.log_hyperparams(flatten(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
-                                   | {"model.params": count_params(module.model),
-                                      "model.non_embedding_params": non_embedding_params(module.model),
-                                      "model.flops_per_token": flops} | data.provenance())
-            logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
+        logger = make_logger(cfg, run_dir, info, preset, target)
+        if logger is not None:
+            info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
+                    "experiment": logger._experiment_name}
+            (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))
+            if ckpt_path is None:
+                logger.log_hyperparams(flatten(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
+                                       | {"model.params": count_params(module.model),
+                                          "model.non_embedding_params": non_embedding_params(module.model),
+                                          "model.flops_per_token": flops} | data.provenance())
+                logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
 
-    throughput = ThroughputCallback(flops, schedule.tokens_per_step)
-    sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
-    trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, *callbacks], progress)
-    initial_val = None
-    try:
-        if ckpt_path is None:
-            initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-        if module.stop_reason is not None:
-            trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
-            raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
-                                  f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
-        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # the final state, whatever the interval
-        train_loss = trainer.callback_metrics.get("train/loss")
-        final = trainer.validate(module, datamodule=data, verbose=False)[0]
-        final_val = float(final["val/loss"])
-    except BaseException as error:
-        if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
-            logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
-            logger.finalize("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "failed")
-        raise
-    result = RunResult(
-        run_dir=run_dir,
-        tracking_uri=info.get("tracking_uri", ""),
-        experiment=info.get("experiment", ""),
-        mlflow_run_id=info.get("mlflow_run_id"),
-        params=count_params(module.model),
-        non_embedding_params=non_embedding_params(module.model),
-        tokens=trainer.global_step * schedule.tokens_per_step,
-        initial_val_loss=initial_val,
-        final_val_loss=final_val,
-        final_train_loss=None if train_loss is None else float(train_loss),
-        tokens_per_sec=throughput.mean_tokens_per_sec,
-        wall_seconds=time.perf_counter() - started,
-        recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
-    )
-    if logger is not None:
-        logger.finalize("success")
-    if trainer.is_global_zero:
-        print_summary(cfg, result)
-    return result
+        throughput = ThroughputCallback(flops, schedule.tokens_per_step)
+        sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
+        trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, *callbacks], progress)
+        initial_val = None
+        try:
+            if ckpt_path is None:
+                initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            if module.stop_reason is not None:
+                trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+                raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
+                                      f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
+            trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # the final state, whatever the interval
+            train_loss = trainer.callback_metrics.get("train/loss")
+            final = trainer.validate(module, datamodule=data, verbose=False)[0]
+            final_val = float(final["val/loss"])
+        except BaseException as error:
+            if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
+                logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
+                logger.finalize("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "failed")
+            raise
+        result = RunResult(
+            run_dir=run_dir,
+            tracking_uri=info.get("tracking_uri", ""),
+            experiment=info.get("experiment", ""),
+            mlflow_run_id=info.get("mlflow_run_id"),
+            params=count_params(module.model),
+            non_embedding_params=non_embedding_params(module.model),
+            tokens=trainer.global_step * schedule.tokens_per_step,
+            initial_val_loss=initial_val,
+            final_val_loss=final_val,
+            final_train_loss=None if train_loss is None else float(train_loss),
+            tokens_per_sec=throughput.mean_tokens_per_sec,
+            wall_seconds=time.perf_counter() - started,
+            recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
+        )
+        if logger is not None:
+            logger.finalize("success")
+        if trainer.is_global_zero:
+            print_summary(cfg, result)
+        return result
 
 
 def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logger, callbacks: list,
