@@ -114,6 +114,6 @@ class CheckpointOnSigterm(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             path = self.checkpoint_dir / "last.ckpt"
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)
             print(f"satlab: SIGTERM received; checkpoint written to {path} at step {trainer.global_step}",
                   file=sys.stderr)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -176,11 +176,12 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             if ckpt_path is None:
                 initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            last = run_dir / "checkpoints" / "last.ckpt"  # saved whole: weights, optimizer, loops and RNG states
             if module.stop_reason is not None:
-                trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+                trainer.save_checkpoint(last, weights_only=False)
                 raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
                                       f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
-            trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # the final state, whatever the interval
+            trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the interval
             train_loss = trainer.callback_metrics.get("train/loss")
             final = trainer.validate(module, datamodule=data, verbose=False)[0]
             final_val = float(final["val/loss"])
