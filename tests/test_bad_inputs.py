@@ -55,8 +55,19 @@ TRAIN_CASES = [
      ["stop_at_acc", "(0, 1]", "1.5"]),
     ("data mix on a synthetic source", ["data.source=synthetic:mqar", "data.mix.recall=0.1"],
      ["data.mix", "synthetic source"]),
-    ("negative MLP width", ["model.mlp_hidden=-1"], ["model.mlp_hidden", ">= 0", "-1"]),
+    ("negative MLP width", ["model.mlp_hidden=-1"], ["model.mlp_hidden", "[0, 1,048,576]", "-1"]),
     ("run name that climbs out of the runs folder", ["name=../evil"], ["'../evil'", "letters, digits"]),
+    ("absurd token budget", ["train.max_tokens=1e30"], ["train.max_tokens", "[1, 1e+15]", "got 1" + "0" * 30]),
+    ("learning rate that is not a number", ["optim.lr=nan"], ["optim.lr", "(0, 10]", "nan"]),
+    ("infinite learning rate", ["optim.lr=inf"], ["optim.lr", "(0, 10]", "inf"]),
+    ("learning rate no one means", ["optim.lr=5e3"], ["optim.lr", "(0, 10]", "5000"]),
+    ("negative seed", ["train.seed=-1"], ["train.seed", "[0, 4.29497e+09]", "-1"]),
+    ("absurd model width", ["model.d_model=1000000"], ["model.d_model", "[1, 65,536]", "1000000"]),
+    ("zero init std", ["model.init_std=0"], ["model.init_std", "(0, 10]"]),
+    ("infinite rope theta", ["model.rope_theta=inf"], ["model.rope_theta", "inf"]),
+    ("absurd hyper-connection expansion", ["model.hyperconnections.expansion=1000"], ["expansion", "[1, 64]"]),
+    ("more data workers than cores could use", ["data.num_workers=100000"], ["data.num_workers", "[0, 256]"]),
+    ("zero validation budget", ["train.val_tokens=0"], ["train.val_tokens", "[1, 1e+12]"]),
     ("run name with a slash", ["name=a/b"], ["'a/b'", "'.', '_' and '-'"]),
     ("run name that is a dot", ["name=."], ["'.'", "not '.' or '..'"]),
     ("run name with a space", ["name=my run"], ["'my run'", "1 to 200"]),
@@ -76,6 +87,8 @@ def isolated(tmp_path, *args: str) -> list[str]:
 def assert_nothing_written(tmp_path) -> None:
     assert not (tmp_path / "runs").exists()
     assert not (tmp_path / "mlruns").exists()
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
@@ -217,3 +230,36 @@ def test_bad_sweep_input_is_one_clear_usage_error(case, tmp_path, capsys):
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in: {err}"
     assert not (tmp_path / "mlruns").exists()
+
+
+def _empty_file(folder):
+    (folder / "empty.txt").write_text("")
+    return folder / "empty.txt", ["empty.txt", "is empty"]
+
+
+def _folder_without_text(folder):
+    (folder / "image.png").write_bytes(b"\x89PNG not text")
+    return folder, ["unsupported file type", "supported: .json, .jsonl"]
+
+
+def _undecodable(folder):
+    (folder / "a.txt").write_text("plain words " * 50)
+    (folder / "b.txt").write_bytes("caf".encode() + b"\xe9 au lait " * 20)
+    return folder / "*.txt", ["b.txt", "offset 3", "0xe9", "utf-8", "iconv"]
+
+
+DATA_CASES = [("empty text file", _empty_file), ("folder with no text", _folder_without_text),
+              ("undecodable bytes", _undecodable)]
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_a_data_problem_is_one_clear_error_and_writes_nothing(case, tmp_path, capsys):
+    _, make = case
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    source, fragments = make(folder)
+    code, err = run_cli(isolated(tmp_path, f"data.source={source}"), tmp_path, capsys)
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in: {err}"
+    assert_nothing_written(tmp_path)

@@ -96,14 +96,14 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         "bad.yaml: train.micro_batch_size",
         "expected int",
         "did you mean 'strategy'",
-        "optim.lr must be > 0",
+        "optim.lr must be in (0, 10]",
         "unknown train.precision 'fp32'; valid: 16-mixed, 32-true",
         "data.seq_len=2048 exceeds model.max_seq_len=1024",
         "optim.betas",
         "architecture (model.arch) 'gpt'",
         "data.tokenizer.kind 'wordpiece'",
         "malformed override 'train.max_tokens'",
-        "data.val_fraction must be in [0, 1)",
+        "data.val_fraction must be in [0, 0.999]",
         "train.global_batch_tokens=8192 is not a multiple",
     ]
     assert [e for e in expected if e not in message] == []

@@ -26,7 +26,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment, safe_run_name
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import nest
-from satlab.training.tracking import ensure_reachable, resolve_tracking
+from satlab.training.tracking import ensure_reachable, open_store, resolve_tracking
 
 
 @dataclass
@@ -55,7 +55,7 @@ def run_ablation(spec: AblationSpec, workers: int = 1, console: Console | None =
         raise ConfigError(f"ablation '{spec.name}': tracking.enabled is false, but the cells' MLflow runs are the "
                           "ablation's record (what resuming skips, what the report reads); remove the override")
     uri, artifacts = resolve_tracking(base.tracking.uri, base.tracking.artifact_dir)
-    uri = ensure_reachable(uri, base.tracking.fallback_local)
+    uri = open_store(ensure_reachable(uri, base.tracking.fallback_local))
     client = mlflow.MlflowClient(uri)
     state = AblationState(out / STATE_FILE)
     parent_id = ensure_parent_run(client, spec, state.parent_run_id if state.tracking_uri == uri else None, artifacts)

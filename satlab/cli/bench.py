@@ -90,9 +90,10 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
     """One MLflow run in experiment 'bench' with every number of the table and the JSON as an artifact."""
     import mlflow
 
-    from satlab.training.tracking import experiment_id, provenance_tags, resolve_tracking
+    from satlab.training.tracking import experiment_id, open_store, provenance_tags, resolve_tracking
 
     uri, artifacts = resolve_tracking(None, None)
+    open_store(uri)
     client = mlflow.MlflowClient(uri)
     run = client.create_run(experiment_id(client, "bench", artifacts), run_name=f"bench-{report['settings']['size']}",
                             tags=provenance_tags("+".join(r["arch"] for r in report["results"]), "bench"))

@@ -47,21 +47,27 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 # A layer is (where it came from, its plain nested dict).
 Layer = tuple[str, Mapping[str, Any]]
 
-_POSITIVE = (
-    "optim.lr", "optim.eps", "optim.gate_lr_multiplier", "data.seq_len", "data.tokenizer.vocab_size",
-    "data.hub_max_documents", "train.max_tokens", "train.global_batch_tokens", "train.micro_batch_size",
-    "train.devices", "train.num_nodes", "train.val_every_tokens", "train.val_tokens", "train.ckpt_every_tokens",
-    "train.log_every_n_steps", "train.max_time_minutes", "eval.every_tokens",
-)
-_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "optim.warmup_tokens", "data.num_workers",
-                 "train.keep_last_k")
-# (keys, test, what the test says); optional fields are skipped when None.
-_RANGES = (
-    (_POSITIVE, lambda v: v > 0, "> 0"),
-    (_NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
-    (("optim.warmup_fraction", "data.val_fraction"), lambda v: 0 <= v < 1, "in [0, 1)"),
-    (("optim.min_lr_ratio",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-)
+_TOKENS = 10**15  # a thousand times the largest budgets trained today
+# key -> (low, high, low excluded): the values a user could mean. Optional fields are skipped when None; NaN and
+# infinities are never in range.
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "optim.lr": (0, 10, True), "optim.eps": (0, 1, True), "optim.weight_decay": (0, 10, False),
+    "optim.warmup_fraction": (0, 0.999, False), "optim.warmup_tokens": (0, _TOKENS, False),
+    "optim.min_lr_ratio": (0, 1, False), "optim.grad_clip": (0, 1e6, False),
+    "optim.gate_lr_multiplier": (0, 1e4, True),
+    "data.seq_len": (1, 2**22, False), "data.val_fraction": (0, 0.999, False), "data.num_workers": (0, 256, False),
+    "data.hub_max_documents": (1, 10**12, False), "data.tokenizer.vocab_size": (1, 10**7, False),
+    "data.mqar.vocab_size": (1, 10**7, False), "data.mqar.num_pairs": (1, 10**6, False),
+    "data.mqar.num_queries": (1, 10**6, False), "data.mqar.eval_sequences": (1, 10**7, False),
+    "train.max_tokens": (1, _TOKENS, False), "train.global_batch_tokens": (1, 10**10, False),
+    "train.micro_batch_size": (1, 10**7, False), "train.seed": (0, 2**32 - 1, False),
+    "train.devices": (1, 4096, False), "train.num_nodes": (1, 10**4, False),
+    "train.data_parallel_size": (1, 10**6, False), "train.val_every_tokens": (1, _TOKENS, False),
+    "train.val_tokens": (1, 10**12, False), "train.ckpt_every_tokens": (1, _TOKENS, False),
+    "train.keep_last_k": (0, 10**6, False), "train.log_every_n_steps": (1, 10**7, False),
+    "train.max_skipped_steps": (0, 10**9, False), "train.max_time_minutes": (0, 10**7, True),
+    "eval.every_tokens": (1, _TOKENS, False), "eval.limit": (1, 10**9, False), "eval.gate_windows": (1, 10**5, False),
+}
 _CHOICES = {
     "data.tokenizer.kind": TOKENIZER_KINDS,
     "data.source_kind": SOURCE_KINDS,
@@ -235,11 +241,10 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
     if not RUN_NAME.match(cfg.name) or cfg.name in (".", ".."):
         problems.append(f"name {cfg.name!r} is not a run name: it names the folder {cfg.train.out_dir}/<name>, so it "
                         "must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or '..')")
-    for keys, in_range, expected in _RANGES:
-        for key in keys:
-            value = attrgetter(key)(cfg)
-            if value is not None and not in_range(value):
-                problems.append(f"{key} must be {expected}, got {value!r}")
+    for key, (low, high, low_excluded) in _RANGES.items():
+        value = attrgetter(key)(cfg)
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
+            problems.append(f"{key} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], got {value!r}")
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
     for key, valid in _CHOICES.items():

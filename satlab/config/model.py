@@ -163,17 +163,21 @@ def resolve_model_config(cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
+_SIZE_RANGES = {"d_model": (1, 65_536), "n_layers": (1, 4096), "n_heads": (1, 4096), "n_kv_heads": (1, 4096),
+                "mlp_hidden": (0, 1_048_576), "vocab_size": (1, 10_000_000), "max_seq_len": (1, 4_194_304)}
+_SCALE_RANGES = {"rope_theta": (0, 1e12), "norm_eps": (0, 0.1), "init_std": (0, 10), "embed_init_std": (0, 100)}
+
+
 def model_config_problems(cfg: ModelConfig) -> list[str]:
     """Every problem with a resolved model config, as one line each."""
     problems = []
     if cfg.arch not in ARCHITECTURE_NAMES:
         problems.append(unknown_name("architecture (model.arch)", cfg.arch, ARCHITECTURE_NAMES))
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "vocab_size", "max_seq_len"):
+    for name, (least, most) in _SIZE_RANGES.items():
         value = getattr(cfg, name)
-        least = 0 if name == "mlp_hidden" else 1  # mlp_hidden 0: attention-only blocks
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            what = "an integer >= 0 (0: no MLP sublayer)" if least == 0 else "a positive integer"
-            problems.append(f"model.{name} must be {what}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+            note = " (0: no MLP sublayer)" if least == 0 else ""
+            problems.append(f"model.{name} must be an integer in [{least}, {most:,}]{note}, got {value!r}")
     if problems:
         return problems
     if cfg.d_model % cfg.n_heads:
@@ -188,10 +192,15 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
         )
     elif cfg.head_dim % 2:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
-    if cfg.rope_theta <= 0 or cfg.norm_eps <= 0 or cfg.init_std <= 0:
-        problems.append("model.rope_theta, model.norm_eps and model.init_std must be positive")
-    if cfg.embed_init_std is not None and cfg.embed_init_std <= 0:
-        problems.append(f"model.embed_init_std must be null (= model.init_std) or positive, got {cfg.embed_init_std!r}")
+    for name, (low, high) in _SCALE_RANGES.items():
+        value = getattr(cfg, name)
+        if value is not None and not low < value <= high:
+            problems.append(f"model.{name} must be in ({low:g}, {high:g}], got {value!r}"
+                            + ("; null means model.init_std" if name == "embed_init_std" else ""))
+    sat_scalars = {"static_init": cfg.satformer.static_init, "gate_bias": cfg.satformer.gate_bias}
+    for name, value in sat_scalars.items():
+        if value is not None and not -100 <= value <= 100:
+            problems.append(f"model.satformer.{name} must be in [-100, 100], got {value!r}")
     sat = cfg.satformer
     if sat.gate_granularity not in GATE_GRANULARITIES:
         problems.append(unknown_name("model.satformer.gate_granularity", sat.gate_granularity, GATE_GRANULARITIES))
@@ -206,8 +215,8 @@ def model_config_problems(cfg: ModelConfig) -> list[str]:
     dense = cfg.denseformer
     if dense.dilation < 1 or dense.period < 1:
         problems.append("model.denseformer.dilation and model.denseformer.period must be >= 1")
-    if cfg.hyperconnections.expansion < 1:
-        problems.append("model.hyperconnections.expansion must be >= 1")
+    if not 1 <= cfg.hyperconnections.expansion <= 64:
+        problems.append(f"model.hyperconnections.expansion must be in [1, 64], got {cfg.hyperconnections.expansion}")
     return problems
 
 

@@ -81,9 +81,12 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     data_cfg = replace(data_cfg, cache_dir=str(cache_dir))
     check_mix(data_cfg.mix)
     source = resolve_source(data_cfg)
+    tokenizer = None
+    if data_cfg.tokenizer.kind != "bpe":  # needs no corpus: made (or fetched) first, so a failure writes nothing
+        tokenizer = build_tokenizer(data_cfg.tokenizer, cache_dir, "", lambda: iter(()), 0, progress)
     split_dir, split_meta = prepare_split_files(source, data_cfg, progress)
     require_nonempty_splits(split_meta, source.description)
-    tokenizer = build_tokenizer(
+    tokenizer = tokenizer or build_tokenizer(
         data_cfg.tokenizer,
         cache_dir,
         train_sha256=split_meta["sha256"]["train"],

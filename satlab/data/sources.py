@@ -32,6 +32,7 @@ from satlab.data.common import (
     hash_split_rule,
     make_progress,
     read_json,
+    require_nonempty_splits,
     stable_hash,
     write_json,
 )
@@ -144,7 +145,23 @@ def _rows(stream: Iterable[dict[str, Any]], source: Source) -> Iterator[dict[str
     except ConnectionError as e:
         raise _offline_error(source.name, e) from e
     except (OSError, ValueError, pa.ArrowException, DatasetGenerationError) as e:
-        raise ConfigError(f"could not read {source.description}: {type(e).__name__}: {e}") from e
+        undecodable = _first_undecodable(source)
+        raise (undecodable or ConfigError(f"could not read {source.description}: {type(e).__name__}: {e}")) from e
+
+
+def _first_undecodable(source: Source) -> ConfigError | None:
+    """The first text file of a files source that is not UTF-8, named with the offending byte offset."""
+    for path in source.files if source.kind == "files" else ():
+        if _file_format(path) != "text":
+            continue
+        try:
+            path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            return ConfigError(
+                f"{path} is not UTF-8 text: the byte at offset {e.start} (0x{e.object[e.start]:02x}) cannot be "
+                f"decoded as utf-8 ({e.reason}); convert the file (for example `iconv -f latin1 -t utf-8`) or leave "
+                "it out of data.source")
+    return None
 
 
 def _hub_stream(source: Source, cfg: DataConfig) -> Iterable[dict[str, Any]]:
@@ -208,6 +225,7 @@ def prepare_split_files(source: Source, cfg: DataConfig, progress: bool = True) 
                 bar.advance(task)
         meta = {"description": source.description, "identity": source.identity, "split_rule": rule,
                 **writer.summary()}
+        require_nonempty_splits(meta, source.description)  # before the entry exists: a bad source leaves nothing
         write_json(tmp / META_FILE, meta)
     return target, meta
 

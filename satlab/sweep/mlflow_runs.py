@@ -22,7 +22,7 @@ from optuna.trial import FrozenTrial
 from satlab.config.schema import ExperimentConfig
 from satlab.sweep.spec import SweepSpec
 from satlab.sweep.study import LOG, PARENT_RUN, REASON, RUN_ID, TRACKING_URI, safe_url
-from satlab.training.tracking import ensure_reachable, experiment_id, git_revision, resolve_tracking
+from satlab.training.tracking import ensure_reachable, experiment_id, git_revision, open_store, resolve_tracking
 
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
@@ -30,7 +30,7 @@ RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 def tracking_target(cfg: ExperimentConfig) -> tuple[str, str | None]:
     """(tracking URI, artifact location for a new experiment) of the base experiment, checked reachable."""
     uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
-    return ensure_reachable(uri, cfg.tracking.fallback_local), artifacts
+    return open_store(ensure_reachable(uri, cfg.tracking.fallback_local)), artifacts
 
 
 def _reopen(client: mlflow.MlflowClient, run_id: str) -> bool:

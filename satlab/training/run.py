@@ -31,7 +31,7 @@ from satlab.training.parallel import make_strategy
 from satlab.training.perf import ThroughputCallback
 from satlab.training.resilience import AtomicCheckpointIO, CheckpointOnSigterm, RunLock, find_resume_checkpoint
 from satlab.training.summary import print_summary
-from satlab.training.tracking import ensure_reachable, provenance_tags, resolve_tracking
+from satlab.training.tracking import ensure_reachable, open_store, provenance_tags, resolve_tracking
 
 RUN_INFO = "run.json"
 
@@ -122,7 +122,7 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
     return MLFlowLogger(
         experiment_name=cfg.tracking.experiment or cfg.name,
         run_name=cfg.name,
-        tracking_uri=uri,
+        tracking_uri=open_store(uri),
         artifact_location=artifacts,
         run_id=info.get("mlflow_run_id"),
         tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | dict(cfg.tracking.tags),
@@ -139,13 +139,13 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
+    run_dir, ckpt_path, info = run_directory(cfg)
+    target = tracking_target(cfg, info)  # a bad store or server fails before any data is prepared
     data = LMDataModule(cfg, progress=progress)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
-    run_dir, ckpt_path, info = run_directory(cfg)
     if ckpt_path is not None:
         check_resumable(ckpt_path, cfg, data.tokenizer)
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
-    target = tracking_target(cfg, info)
     with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext():
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:

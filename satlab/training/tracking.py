@@ -34,7 +34,6 @@ def resolve_tracking(uri: str | None, artifact_dir: str | None) -> tuple[str, st
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
     if uri.startswith("sqlite:///"):
         db = Path(uri.removeprefix("sqlite:///"))
-        db.parent.mkdir(parents=True, exist_ok=True)
         artifacts = Path(artifact_dir) if artifact_dir else db.parent / "artifacts"
         return uri, artifacts.resolve().as_uri()
     if "://" not in uri:
@@ -43,6 +42,14 @@ def resolve_tracking(uri: str | None, artifact_dir: str | None) -> tuple[str, st
             f"use 'sqlite:///{Path(uri).resolve()}/mlflow.db' or a server URL such as http://127.0.0.1:5000"
         )
     return uri, Path(artifact_dir).resolve().as_uri() if artifact_dir else None
+
+
+def open_store(uri: str) -> str:
+    """``uri``, with the folder of a sqlite store created: done only once a run is about to be recorded, so that a
+    run refused for bad input leaves no store behind."""
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return uri
 
 
 def check_server(uri: str, timeout: float = 5.0) -> str | None:
