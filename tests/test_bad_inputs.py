@@ -244,7 +244,7 @@ def _folder_without_text(folder):
 
 def _undecodable(folder):
     (folder / "a.txt").write_text("plain words " * 50)
-    (folder / "b.txt").write_bytes("caf".encode() + b"\xe9 au lait " * 20)
+    (folder / "b.txt").write_bytes(b"caf" + b"\xe9 au lait " * 20)
     return folder / "*.txt", ["b.txt", "offset 3", "0xe9", "utf-8", "iconv"]
 
 
@@ -263,3 +263,24 @@ def test_a_data_problem_is_one_clear_error_and_writes_nothing(case, tmp_path, ca
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in: {err}"
     assert_nothing_written(tmp_path)
+
+
+def test_overrides_are_accepted_before_and_after_flags(monkeypatch):
+    import argparse
+
+    from satlab.cli import main as cli
+
+    seen: list[argparse.Namespace] = []
+    real = cli.importlib.import_module
+
+    def declared_only(name: str) -> argparse.Namespace:  # the commands' arguments, but record instead of running
+        return argparse.Namespace(add_arguments=getattr(real(name), "add_arguments", None), run=seen.append)
+
+    monkeypatch.setattr(cli.importlib, "import_module", declared_only)
+    cli.main(["sweep", "lr_tiny", "n_trials=2", "--workers", "1", "space.optim.lr.high=1e-2", "--n-trials", "3"])
+    assert seen[0].overrides == ["n_trials=2", "space.optim.lr.high=1e-2"] and seen[0].workers == 1
+    cli.main(["ablate", "arch_tiny", "--workers", "2", "train.max_tokens=1e5"])
+    assert seen[1].overrides == ["train.max_tokens=1e5"] and seen[1].workers == 2
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["sweep", "lr_tiny", "--workers", "1", "--no-such-flag"])
+    assert stopped.value.code == 2

@@ -165,7 +165,7 @@ def test_derived_schedule_worked_example() -> None:
         max_steps=152,  # 10_000_000 // 65_536 = 152.59
         warmup_steps=2,  # round(0.01 * 152)
         val_every_steps=15,  # 1_000_000 // 65_536
-        ckpt_every_steps=152,  # 305 capped at max_steps
+        ckpt_every_steps=150,  # 305 capped at max_steps 152, then the nearest multiple of val_every_steps
         val_batches=16,  # 65_536 // 4096
         eval_every_steps=None,
     )

@@ -33,8 +33,8 @@ def train_losses(tmp_path, name: str, *extra: str) -> list[float]:
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = mlflow.MlflowClient(f"sqlite:///{db}")
-    experiment = client.get_experiment_by_name(name)
-    runs = client.search_runs([experiment.experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id],  # the preset's experiment
+                              f"tags.`mlflow.runName` = '{name}'")
     assert len(runs) == 1, "exactly one MLflow run per training run, whatever the number of processes"
     history = sorted(client.get_metric_history(runs[0].info.run_id, "train/loss"), key=lambda m: m.step)
     return [m.value for m in history]

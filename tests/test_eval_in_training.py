@@ -3,6 +3,8 @@ heatmap and the mixing plots, all in the run's own MLflow run."""
 
 from __future__ import annotations
 
+import json
+
 import mlflow
 
 from satlab.config.loader import load_experiment
@@ -29,10 +31,16 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     result = train(cfg, progress=False, callbacks=[evaluation])
     client = mlflow.MlflowClient(result.tracking_uri)
     run = client.get_run(result.mlflow_run_id)
-    assert 0.0 <= run.data.metrics["eval/satlab_cloze_choice/acc"] <= 1.0
-    assert 0.0 <= run.data.metrics["eval/satlab_mqar/acc"] <= 1.0
+    table = json.loads(client.download_artifacts(run.info.run_id, "eval/step_8/results.json", str(tmp_path)) and
+                       (tmp_path / "eval" / "step_8" / "results.json").read_text())
+    values = {(row[0], row[1]): row[2] for row in table["data"]}
+    assert 0.0 <= values[("satlab_cloze_choice", "acc")] <= 1.0 and 0.0 <= values[("satlab_mqar", "acc")] <= 1.0
+    assert not [k for k in run.data.metrics if k.count("/") > 1 and k.startswith("eval/")]  # no per-task series
+    assert not [k for k in run.data.metrics if k.startswith("gates/by_")]
     sparsity_steps = [m.step for m in client.get_metric_history(run.info.run_id, "gates/sparsity")]
     assert len(sparsity_steps) >= 2  # every validation during fit, and the end
     artifacts = artifact_paths(client, run.info.run_id)
     assert "gates/step_8/heatmap.png" in artifacts and "gates/step_8/gates.json" in artifacts
-    assert evaluation.last_results["eval/satlab_mqar/acc"] == run.data.metrics["eval/satlab_mqar/acc"]
+    assert evaluation.last_results["eval/satlab_mqar/acc"] == values[("satlab_mqar", "acc")]
+    averages = [k for k in evaluation.last_results if k.startswith("eval/") and k.count("/") == 1]
+    assert averages and all(run.data.metrics[k] == evaluation.last_results[k] for k in averages)

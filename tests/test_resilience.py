@@ -4,6 +4,7 @@ SIGTERM writes a checkpoint first, a corrupt checkpoint is skipped, and a diverg
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ STEPS = 80
 BASE = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=128",
     "data.source=kjv", "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=16",
-    "train.global_batch_tokens=1024", f"train.max_tokens={STEPS * 1024}", "train.val_every_tokens=1000000",
+    "train.global_batch_tokens=1024", f"train.max_tokens={STEPS * 1024}", "train.val_every_tokens=10240",
     "train.val_tokens=1024", "train.ckpt_every_tokens=10240", "train.log_every_n_steps=1",
     "train.deterministic=true", "train.accelerator=cpu", "train.keep_last_k=3",
 ]
@@ -31,6 +32,14 @@ BASE = [
 def args_for(tmp_path, name: str, *extra: str) -> list[str]:
     return [*BASE, f"name={name}", f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / 'runs'}",
             f"tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}", *extra]
+
+
+def run_named(client: mlflow.MlflowClient, name: str):
+    """The MLflow run of the training run ``name`` (runs of the default preset share the experiment 'default')."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.`mlflow.runName` = '{name}'")
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
 
 
 def start(tmp_path, name: str, *extra: str) -> subprocess.Popen:
@@ -57,7 +66,7 @@ def wait_for_checkpoint(tmp_path, name: str, proc: subprocess.Popen) -> None:
 def losses_by_step(tmp_path, name: str) -> tuple[dict[int, float], str]:
     """The last logged train/loss of every step (a resumed run logs the steps after its checkpoint again)."""
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
-    run = client.search_runs([client.get_experiment_by_name(name).experiment_id])[0]
+    run = run_named(client, name)
     latest: dict[int, tuple[int, float]] = defaultdict(lambda: (-1, 0.0))
     for m in client.get_metric_history(run.info.run_id, "train/loss"):
         if m.timestamp >= latest[m.step][0]:
@@ -96,6 +105,51 @@ def test_a_second_run_of_the_same_name_is_refused_while_the_first_trains_and_acc
     first.send_signal(signal.SIGKILL)
     first.wait()
     finish(start(tmp_path, "shared"))
+
+
+def metric_histories(tmp_path, name: str) -> tuple[dict[str, list[tuple[int, float]]], str]:
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    run = run_named(client, name)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+            for key in run.data.metrics}, run.info.status
+
+
+def test_after_five_sigkills_every_mlflow_history_equals_the_uninterrupted_runs(tmp_path):
+    """Kills land at random moments, two of them while a checkpoint is being written; after the resumes each
+    metric has exactly the points of a run that was never killed (timings aside, which differ by nature)."""
+    often = ["train.ckpt_every_tokens=2048", "train.val_every_tokens=2048", "train.keep_last_k=2"]
+    finish(start(tmp_path, "calm", *often))
+    rng = random.Random(0)
+    checkpoints = tmp_path / "runs" / "killed5" / "checkpoints"
+    for kill in range(5):
+        proc = start(tmp_path, "killed5", *often)
+        deadline = time.time() + 240
+        before = {p.name for p in checkpoints.glob("step*.ckpt")} if checkpoints.exists() else set()
+        while True:  # wait for training to be under way in this attempt: a new checkpoint
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no checkpoint appeared"
+            if checkpoints.exists() and {p.name for p in checkpoints.glob("step*.ckpt")} - before:
+                break
+            time.sleep(0.01)
+        if kill % 2:  # in the middle of a checkpoint write
+            while not list(checkpoints.glob(".*.tmp-*")) and proc.poll() is None:
+                time.sleep(0.001)
+        else:
+            time.sleep(rng.uniform(0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finish(start(tmp_path, "killed5", *often))
+    calm, _ = metric_histories(tmp_path, "calm")
+    resumed, status = metric_histories(tmp_path, "killed5")
+    assert status == "FINISHED" and set(resumed) == set(calm)
+    assert len(calm["train/loss"]) == STEPS and len(calm["val/loss"]) > 2
+    differ = {}
+    for key in calm:
+        same = [s for s, _ in resumed[key]] == [s for s, _ in calm[key]] if key.startswith("perf/") else \
+            resumed[key] == calm[key]
+        if not same:
+            differ[key] = (sorted(set(resumed[key]) ^ set(calm[key]))[:6], len(resumed[key]), len(calm[key]))
+    assert not differ, differ
 
 
 def test_sigterm_writes_a_checkpoint_then_the_run_resumes_in_the_same_mlflow_run(tmp_path):
@@ -141,6 +195,6 @@ def test_a_diverging_run_skips_non_finite_steps_then_stops_with_a_checkpoint(tmp
         train(cfg, progress=False, callbacks=[Diverge(3)])
     assert (tmp_path / "runs" / "diverge" / "checkpoints" / "last.ckpt").exists()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
-    run = client.search_runs([client.get_experiment_by_name("diverge").experiment_id])[0]
+    run = run_named(client, "diverge")
     assert run.info.status == "FAILED" and run.data.metrics["train/skipped_steps"] == 3
     assert "diverged" in run.data.tags["stop_reason"]

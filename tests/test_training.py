@@ -49,7 +49,7 @@ def test_twenty_steps_of_every_architecture_land_in_mlflow(workdir, arch):
     client = mlflow.MlflowClient(result.tracking_uri)
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params["model.arch"] == arch and run.data.tags["architecture"] == arch
+    assert run.data.params["model.arch"] == arch and run.data.tags["arch"] == arch
     for metric in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_sec", "tokens_seen", "train/lr"):
         assert metric in run.data.metrics, metric
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")][0] == 0

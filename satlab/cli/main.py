@@ -44,7 +44,12 @@ def _has_args_module(module: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse takes positionals only before the first flag: `sweep lr_tiny --workers 1 n_trials=3`
+        if hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.parse_args(argv)  # argparse's own usage error (exit 2) for what is really not understood
     if args.command is None:
         parser.print_help()
         return 0

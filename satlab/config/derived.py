@@ -29,7 +29,9 @@ class Schedule:
         warmup_steps: linear-warmup steps: ``optim.warmup_tokens / tokens_per_step`` when set, else
             ``optim.warmup_fraction * max_steps``; rounded, between 0 and ``max_steps``.
         val_every_steps: steps between validations (``train.val_every_tokens``), in ``[1, max_steps]``.
-        ckpt_every_steps: steps between checkpoints (``train.ckpt_every_tokens``), in ``[1, max_steps]``.
+        ckpt_every_steps: steps between checkpoints (``train.ckpt_every_tokens``), rounded to the nearest multiple
+            of ``val_every_steps`` (at least one): a checkpoint is written after its step's validation, so that it
+            follows everything the step logs (see ``satlab.training.resilience.CheckpointAfterValidation``).
         val_batches: micro-batches per validation, ``val_tokens // micro_batch_tokens`` (at least 1); for a
             synthetic task, enough to cover its whole held-out set (``train.val_tokens`` does not apply).
         eval_every_steps: steps between downstream evaluations (``eval.every_tokens``), or ``None`` for none
@@ -79,6 +81,8 @@ def derive_schedule(cfg: ExperimentConfig, world_size: int = 1) -> Schedule:
     def every(tokens: int) -> int:
         return min(max_steps, max(1, tokens // tokens_per_step))
 
+    val_every = every(train.val_every_tokens)
+    ckpt_every = min(max_steps, val_every * max(1, round(every(train.ckpt_every_tokens) / val_every)))
     if cfg.optim.warmup_tokens is not None:
         warmup = round(cfg.optim.warmup_tokens / tokens_per_step)
     else:
@@ -89,8 +93,8 @@ def derive_schedule(cfg: ExperimentConfig, world_size: int = 1) -> Schedule:
         grad_accum_steps=tokens_per_step // (micro_batch_tokens * world_size),
         max_steps=max_steps,
         warmup_steps=min(max_steps, max(0, warmup)),
-        val_every_steps=every(train.val_every_tokens),
-        ckpt_every_steps=every(train.ckpt_every_tokens),
+        val_every_steps=val_every,
+        ckpt_every_steps=ckpt_every,
         val_batches=(math.ceil(cfg.data.mqar.eval_sequences / train.micro_batch_size) if cfg.data.synthetic_task
                      else max(1, train.val_tokens // micro_batch_tokens)),
         eval_every_steps=None if cfg.eval.every_tokens is None else every(cfg.eval.every_tokens),

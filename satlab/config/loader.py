@@ -86,6 +86,24 @@ def default_experiments_dir() -> Path:
     return repo_dir if repo_dir.is_dir() else Path.cwd() / "experiments"
 
 
+def experiment_family(preset: str) -> str | None:
+    """The MLflow experiment that runs of a preset share by default, so they can be compared side by side: the
+    preset's folder under ``experiments/`` (``tiny/satformer`` -> ``tiny``, ``paper/small/satformer`` ->
+    ``paper-small``), the name of a top-level preset (``default``); None for anything else (a YAML file elsewhere,
+    or a config built in Python)."""
+    root = default_experiments_dir().resolve()
+    path = Path(preset)
+    if path.suffix not in (".yaml", ".yml"):
+        path = root / f"{preset}{PRESET_SUFFIX}"
+    try:
+        relative = path.resolve().relative_to(root).with_suffix("")
+    except ValueError:
+        return None
+    if not path.is_file():
+        return None
+    return "-".join(relative.parts[:-1]) or relative.name
+
+
 def list_experiments(experiments_dir: Path | None = None) -> list[str]:
     """Preset names (``default``, ``tiny/satformer``, ...): every ``*.yaml`` under the experiments folder."""
     root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()

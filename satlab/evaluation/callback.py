@@ -43,11 +43,11 @@ class EvaluationCallback(L.Callback):
         client, run_id = self._client(trainer)
         if not trainer.is_global_zero or client is None:
             return
-        if artifacts:
-            self.last_results |= log_gate_analysis(client, run_id, report, pl_module.model, trainer.global_step)
+        if artifacts:  # metrics through the run's logger, which a resumed run does not repeat
+            self.last_results |= log_gate_analysis(client, run_id, report, pl_module.model, trainer.global_step,
+                                                   log_metrics=trainer.logger.log_metrics)
         elif report is not None:
-            for key, value in report.scalars().items():
-                client.log_metric(run_id, key, value, step=trainer.global_step)
+            trainer.logger.log_metrics(report.scalars(), step=trainer.global_step)
 
     def _suite(self, trainer, pl_module) -> None:
         if trainer.world_size > 1:
@@ -65,9 +65,12 @@ class EvaluationCallback(L.Callback):
         metrics = metric_keys(results)
         self.last_results |= metrics
         client, run_id = self._client(trainer)
-        if client is not None:
-            for key, value in metrics.items():
-                client.log_metric(run_id, key, float(value), step=trainer.global_step)
+        if client is not None:  # the suite averages as metrics; every task's numbers as one table per evaluation
+            averages = {k: float(v) for k, v in metrics.items() if k.count("/") == 1}
+            trainer.logger.log_metrics(averages, step=trainer.global_step)
+            rows = [(task, name, float(value)) for task, values in results.items() for name, value in values.items()]
+            client.log_table(run_id, {"task": [r[0] for r in rows], "metric": [r[1] for r in rows],
+                                      "value": [r[2] for r in rows]}, f"eval/step_{trainer.global_step}/results.json")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":

@@ -10,6 +10,7 @@ and ``mixing/<family>.png`` for the static mixing weights. A model without gates
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import mlflow
 from mlflow.entities import Metric
@@ -20,10 +21,14 @@ from satlab.evaluation.plots import gate_figures
 
 
 def log_gate_analysis(client: mlflow.MlflowClient, run_id: str, report: GateReport | None, model: nn.Module,
-                      step: int, prefix: str = "gates") -> dict[str, float]:
-    """Log ``report``'s scalars as metrics at ``step`` and its figures and JSON as artifacts; returns the metrics."""
+                      step: int, prefix: str = "gates",
+                      log_metrics: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
+    """Log ``report``'s scalars as metrics at ``step`` (through ``log_metrics`` when given: a training run's logger)
+    and its figures and JSON as artifacts; returns the metrics."""
     metrics = report.scalars(prefix) if report is not None else {}
-    if metrics:
+    if metrics and log_metrics is not None:
+        log_metrics(metrics, step)
+    elif metrics:
         timestamp = int(time.time() * 1000)
         client.log_batch(run_id, metrics=[Metric(k, v, timestamp, step) for k, v in metrics.items()])
     folder = f"{prefix}/step_{step}"

@@ -89,7 +89,9 @@ class GateReport:
 
     def scalars(self, prefix: str = "gates") -> dict[str, float]:
         """Summary metrics: overall mean, sparsity (over elements; every layer has the same number), share of
-        saturated (layer, head) pairs, dead heads, per layer mean and sparsity, and the mean per category value."""
+        saturated (layer, head) pairs, dead heads, per layer mean and sparsity. The per-category means (position,
+        token kind) are in :meth:`to_json` and the category plot, not here: as metrics they were dozens of
+        single-point charts in front of the loss curves."""
         out = {
             f"{prefix}/mean": float(self.mean.mean()),
             f"{prefix}/sparsity": float(self.sparsity.mean()),
@@ -100,9 +102,6 @@ class GateReport:
         for row, layer in enumerate(self.layers):
             out[f"{prefix}/layer_{layer}/mean"] = float(self.mean[row].mean())
             out[f"{prefix}/layer_{layer}/sparsity"] = float(self.sparsity[row].mean())
-        for name, table in self.categories.items():
-            for value, mean in zip(table.values, table.means, strict=True):
-                out[f"{prefix}/by_{name}/{value}"] = float(mean)
         return out
 
     def to_json(self) -> dict[str, Any]:

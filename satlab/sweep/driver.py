@@ -33,6 +33,7 @@ from satlab.sweep.process import trial_command
 from satlab.sweep.report import write_report
 from satlab.sweep.spec import SweepSpec
 from satlab.sweep.study import (
+    ARCH,
     ATTEMPT_ATTRS,
     EXIT_COMPLETE,
     EXIT_PRUNED,
@@ -173,6 +174,7 @@ class TrialLauncher:
                 trial.set_user_attr(key, None)
             trial.set_user_attr(RETRY_OF, retry_of)
         params = suggest(trial, self.spec, self.base.model.arch)
+        trial.set_user_attr(ARCH, params.get("model.arch", self.base.model.arch))
         log_file = self.logs / f"trial-{trial.number:04d}.log"
         trial.set_user_attr(LOG, str(log_file))
         retry = f" (retry of trial {retry_of})" if retry_of is not None else ""

@@ -87,6 +87,8 @@ def close_child_run(client: mlflow.MlflowClient, run_id: str, state: str, reason
     client.set_tag(run_id, "optuna.state", state)
     if reason:
         client.set_tag(run_id, "sweep.reason", reason[:5000])
+    if state != "COMPLETE":  # MLflow has no "pruned" status: the runs table's stop_reason column says it
+        client.set_tag(run_id, "stop_reason", f"{state.lower()}: {reason or 'no reason recorded'}"[:5000])
     if log_file is not None and log_file.exists():
         client.log_artifact(run_id, str(log_file), "sweep")
     status = RUN_STATUS.get(state, "FAILED")

@@ -21,6 +21,7 @@ from satlab.sweep.spec import Param, SweepSpec, TrialSettings, active_params
 
 # Trial user attributes (what `optuna-dashboard` shows next to each trial).
 REASON = "reason"  # why a trial was pruned or failed: pruned, gate_saturation, nan, oom, timeout, ...
+ARCH = "arch"  # the trial's model.arch, so the dashboard's trial table shows it
 VALUE = "objective_value"  # the objective a trial process computed (the driver returns it to Optuna)
 SATURATION = "saturated_frac"  # the last gates/saturated_frac measured (absent for models without gates)
 TOKENS = "tokens_seen"  # tokens seen at the last validation
@@ -174,6 +175,7 @@ def create_study(spec: SweepSpec, storage: RDBStorage) -> optuna.Study:
     if study.direction.name.lower() != spec.objective.direction:
         raise ConfigError(f"study '{spec.name}' in this storage was created to {study.direction.name.lower()}, but the "
                           f"spec says {spec.objective.direction}; use another name or storage")
+    study.set_metric_names([spec.objective.metric])  # the dashboard's axis says "val/loss", not "Objective 0"
     for point in spec.enqueue:
         study.enqueue_trial(point, skip_if_exists=True)
     return study

@@ -88,24 +88,8 @@ class LMModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.tokens_seen = self.global_step * self.schedule.tokens_per_step
-        if self.answers_only and self.global_step > 0 and self.global_step % self.schedule.val_every_steps == 0:
-            self._replay_validation()
         if self.reached_stop_acc:  # resumed after stopping at data.mqar.stop_at_acc: nothing left to train
             self.trainer.should_stop = True
-
-    @torch.no_grad()
-    def _replay_validation(self) -> None:
-        """A checkpoint is written before the validation of its step, so a run killed after that validation would
-        resume without what it recorded: score the held-out set again (the same weights) and record it, unlogged."""
-        loader = self.trainer.datamodule.val_dataloader()
-        correct = total = 0
-        self.model.eval()
-        for idx, targets in loader:
-            logits, labels = self.scored_logits(idx.to(self.device), targets.to(self.device))
-            correct += int((logits.argmax(-1) == labels).sum())
-            total += labels.numel()
-        self.model.train()
-        self._record_recall(correct / max(1, total))
 
     def _record_recall(self, accuracy: float) -> None:
         for threshold in RECALL_THRESHOLDS:

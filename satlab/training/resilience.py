@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.errors import ConfigError
@@ -71,37 +72,62 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
+class CheckpointAfterValidation(ModelCheckpoint):
+    """Lightning's step checkpoints, written after the validation of their step (Lightning's own deferral to
+    ``on_validation_end``). Lightning logs a step's training metrics after its callbacks' ``on_train_batch_end``,
+    so a checkpoint written there would precede them, and a run killed just after it would resume past points it
+    never logged. The schedule puts every checkpoint on a validation step (``ckpt_every_steps`` is a multiple of
+    ``val_every_steps``), so every checkpoint follows everything its step logs."""
+
+    def __init__(self, val_every_steps: int, **kwargs):
+        super().__init__(**kwargs)
+        self.val_every_steps = val_every_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0
+        if due and step % self.val_every_steps == 0 and not self._should_skip_saving_checkpoint(trainer):
+            self._defer_save_until_validation = True
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
 def _step_of(path: Path) -> int:
     match = re.search(r"step(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
 
-def readable(path: Path) -> str | None:
-    """None when ``path`` is a complete satlab checkpoint, else why not."""
+def readable(path: Path) -> tuple[int | None, str | None]:
+    """(the checkpoint's global step, None) for a complete satlab checkpoint, else (None, why not)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # truncated or corrupt files raise many different errors
-        return f"{type(error).__name__}: {error}"
+        return None, f"{type(error).__name__}: {error}"
     if "state_dict" not in state or KEY not in state:
-        return "it lacks the model state or satlab's config/tokenizer entry"
-    return None
+        return None, "it lacks the model state or satlab's config/tokenizer entry"
+    return int(state.get("global_step", 0)), None
 
 
 def find_resume_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The newest readable checkpoint: ``last.ckpt``, else the step checkpoints newest first. A corrupt one is
-    renamed to ``*.corrupt`` (kept, never reused) with a message saying which one is used instead."""
+    """The readable checkpoint of the highest step (``last.ckpt`` on a tie): usually ``last.ckpt``, but a kill while
+    it was being rewritten leaves the older one, and then the step checkpoint just written is newer, and the run's
+    MLflow record already reaches it. A corrupt one is renamed to ``*.corrupt`` (kept, never reused) with a
+    message saying so."""
     candidates = [checkpoint_dir / "last.ckpt"] + sorted(checkpoint_dir.glob("step*.ckpt"), key=_step_of,
                                                          reverse=True)
+    best: tuple[int, Path] | None = None
     for path in candidates:
         if not path.exists():
             continue
-        problem = readable(path)
+        step, problem = readable(path)
         if problem is None:
-            return path
+            if best is None or step > best[0]:
+                best = (step, path)
+            continue
         path.rename(path.with_name(path.name + ".corrupt"))
         print(f"satlab: checkpoint {path} is unreadable ({problem}); kept as {path.name}.corrupt, "
-              "resuming from the previous one", file=sys.stderr)
-    return None
+              "resuming from another one", file=sys.stderr)
+    return None if best is None else best[1]
 
 
 class CheckpointOnSigterm(L.Callback):

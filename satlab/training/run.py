@@ -12,24 +12,32 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, flatten, to_yaml
 from satlab.config.errors import ConfigError, RunStopped
+from satlab.config.loader import experiment_family
 from satlab.config.resume import RESUMABLE, resume_problems
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import TextTokenizer
 from satlab.models import count_params, flops_per_token, non_embedding_params
+from satlab.training.chatter import library_chatter_to
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.datamodule import LMDataModule
+from satlab.training.mlflow_logger import ResumableMLFlowLogger
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
 from satlab.training.perf import ThroughputCallback
-from satlab.training.resilience import AtomicCheckpointIO, CheckpointOnSigterm, RunLock, find_resume_checkpoint
+from satlab.training.resilience import (
+    AtomicCheckpointIO,
+    CheckpointAfterValidation,
+    CheckpointOnSigterm,
+    RunLock,
+    find_resume_checkpoint,
+)
 from satlab.training.summary import print_summary
 from satlab.training.tracking import ensure_reachable, open_store, provenance_tags, resolve_tracking
 
@@ -93,9 +101,10 @@ def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None]
     return ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local), artifacts
 
 
-def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> None:
-    """A run resumes only with the config it was started with, but for what may change (``config.resume``), and
-    with the same tokenizer (else its embeddings would mean other tokens)."""
+def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
+    """The checkpoint's global step, once checked: a run resumes only with the config it was started with, but for
+    what may change (``config.resume``), and with the same tokenizer (else its embeddings would mean other
+    tokens)."""
     state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     changes = resume_problems(config_from_yaml(state[CHECKPOINT_KEY]["config"]), cfg)
     if changes:
@@ -112,20 +121,24 @@ def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> None:
             f"{tokenizer.vocab_size}); resume with the same data.tokenizer and data.source settings, or start a new "
             "run (another name, or train.resume=never)"
         )
+    return int(state.get("global_step", 0))
 
 
 def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
-                target: tuple[str, str | None] | None) -> MLFlowLogger | None:
+                target: tuple[str, str | None] | None, resume_step: int | None) -> ResumableMLFlowLogger | None:
     if target is None:
         return None
     uri, artifacts = target
-    return MLFlowLogger(
-        experiment_name=cfg.tracking.experiment or cfg.name,
+    description = {"mlflow.note.content": cfg.description} if cfg.description else {}
+    return ResumableMLFlowLogger(
+        experiment_name=cfg.tracking.experiment or experiment_family(preset) or cfg.name,
         run_name=cfg.name,
         tracking_uri=open_store(uri),
         artifact_location=artifacts,
         run_id=info.get("mlflow_run_id"),
-        tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | dict(cfg.tracking.tags),
+        resume_step=resume_step,
+        tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | description
+        | dict(cfg.tracking.tags),
     )
 
 
@@ -143,10 +156,10 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     target = tracking_target(cfg, info)  # a bad store or server fails before any data is prepared
     data = LMDataModule(cfg, progress=progress)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
+    resume_step = None if ckpt_path is None else check_resumable(ckpt_path, cfg, data.tokenizer)
     if ckpt_path is not None:
-        check_resumable(ckpt_path, cfg, data.tokenizer)
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
-    with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext():
+    with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext(), library_chatter_to(run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -156,7 +169,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         module = LMModule(cfg, schedule, data.tokenizer)
         flops = flops_per_token(module.model, cfg.data.seq_len, data.head_fraction)
 
-        logger = make_logger(cfg, run_dir, info, preset, target)
+        logger = make_logger(cfg, run_dir, info, preset, target, resume_step)
         if logger is not None:
             info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
                     "experiment": logger._experiment_name}
@@ -188,7 +201,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         except BaseException as error:
             if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
                 logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
-                logger.finalize("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "failed")
+                logger.close("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "FAILED")
             raise
         result = RunResult(
             run_dir=run_dir,
@@ -206,7 +219,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
         )
         if logger is not None:
-            logger.finalize("success")
+            logger.close("FINISHED")
         if trainer.is_global_zero:
             print_summary(cfg, result)
         return result
@@ -215,7 +228,8 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
 def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logger, callbacks: list,
                  progress: bool) -> L.Trainer:
     t = cfg.train
-    checkpoint = ModelCheckpoint(
+    checkpoint = CheckpointAfterValidation(
+        schedule.val_every_steps,
         dirpath=run_dir / "checkpoints",
         filename="step{step:07d}",
         auto_insert_metric_name=False,

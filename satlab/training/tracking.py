@@ -111,7 +111,7 @@ def provenance_tags(arch: str, preset: str) -> dict[str, str]:
     rev, dirty = git_revision()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {
-        "architecture": arch,
+        "arch": arch,
         "preset": preset,
         "git_revision": rev,
         "git_dirty": str(dirty).lower(),

@@ -1,0 +1,60 @@
+"""An MLflow logger that a resumed run continues without repeating a point, and whose status follows the run.
+
+A run killed after logging step 17 and resumed from its checkpoint at step 15 logs steps 15 to 17 again; Lightning's
+``MLFlowLogger`` would record them twice. Reopened on an existing run, this logger counts the (metric, step) points
+that run already holds from the resume step on and skips that many of the same again: a resumed run reproduces the
+same points in the same order (deterministic data order, RNG states in the checkpoint), so each is recorded exactly
+as often as in a run never killed (Lightning's ``epoch`` is logged twice at some steps). No point is missed
+either, because checkpoints are written only after everything of their step is logged
+(:class:`~satlab.training.resilience.CheckpointAfterValidation`).
+
+The run's MLflow status is set by :meth:`close`, not by Lightning's ``finalize``, which runs after every
+``trainer.validate`` and would mark a run FINISHED by the validation before training starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class ResumableMLFlowLogger(MLFlowLogger):
+    def __init__(self, *args, resume_step: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
+        self._recorded: Counter[tuple[str, int]] | None = None
+
+    def _already_recorded(self) -> Counter[tuple[str, int]]:
+        """How many points per (key, step) the reopened run holds at or after the resume step (read once)."""
+        if self._recorded is None:
+            self._recorded = Counter()
+            if self.resume_step is not None:
+                client, run_id = self.experiment, self.run_id
+                for key in client.get_run(run_id).data.metrics:
+                    self._recorded.update((key, m.step) for m in client.get_metric_history(run_id, key)
+                                          if m.step >= self.resume_step)
+        return self._recorded
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        recorded = self._already_recorded()
+        fresh = {}
+        for key, value in metrics.items():
+            if recorded[(key, step or 0)] > 0:
+                recorded[(key, step or 0)] -= 1
+            else:
+                fresh[key] = value
+        if fresh:
+            super().log_metrics(fresh, step)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """Lightning's end-of-stage hook: nothing here (see :meth:`close`)."""
+
+    @rank_zero_only
+    def close(self, status: str) -> None:
+        """End the MLflow run as FINISHED, FAILED or KILLED."""
+        self.experiment.set_terminated(self.run_id, status)

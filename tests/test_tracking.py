@@ -1,0 +1,59 @@
+"""What a user sees in MLflow: runs of one preset family side by side in one experiment, each tagged with its
+architecture and described, RUNNING while it trains (seen from another process) and FINISHED after."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import mlflow
+
+from satlab.config.loader import experiment_family, load_experiment
+
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+         "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=256",
+         "train.max_tokens=51200", "train.val_every_tokens=12800", "train.val_tokens=256", "train.log_every_n_steps=5",
+         "eval.at_end=false"]
+
+
+def test_experiment_family_of_a_preset():
+    assert experiment_family("tiny/satformer") == "tiny"
+    assert experiment_family("paper/small/transformer") == "paper-small"
+    assert experiment_family("default") == "default" and experiment_family("recall/mqar") == "recall"
+    assert experiment_family("custom") is None and experiment_family("/somewhere/else.yaml") is None
+
+
+def test_two_tiny_runs_share_one_experiment_with_arch_tags_and_are_running_while_they_train(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    (tmp_path / "mlruns").mkdir()
+    client = mlflow.MlflowClient(uri)
+    client.search_experiments()  # the store exists before two processes open it (they would race to create it)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {arch: subprocess.Popen(
+        [sys.executable, "-m", "satlab.cli.main", "train", f"experiment=tiny/{arch}", "--no-progress", *SMALL,
+         f"tracking.uri={uri}", f"train.out_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'cache'}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for arch in ("transformer", "satformer")}
+    running: set[str] = set()
+    deadline = time.time() + 240
+    while len(running) < 2 and time.time() < deadline and all(p.poll() is None for p in procs.values()):
+        for run in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+            if run.info.status == "RUNNING" and "train/loss" in run.data.metrics:
+                running.add(run.data.tags["arch"])
+        time.sleep(0.1)
+    for proc in procs.values():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert "litlogger" not in out + err and "GPU available" not in out + err, err[-3000:]
+        assert "satlab run 'tiny-" in out  # the summary table
+    assert running == {"transformer", "satformer"}, "each run was RUNNING, with metrics, while it trained"
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 2 and len({r.info.experiment_id for r in runs}) == 1
+    assert client.get_experiment(runs[0].info.experiment_id).name == "tiny"
+    for run in runs:
+        arch = run.data.tags["arch"]
+        assert run.info.status == "FINISHED" and run.info.end_time
+        assert run.data.tags["mlflow.note.content"] == load_experiment(f"tiny/{arch}").description
+    log = (tmp_path / "runs" / "tiny-satformer" / "train.log").read_text()
+    assert "GPU available" in log  # Lightning's notices went to the run's log file
