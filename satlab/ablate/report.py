@@ -243,14 +243,15 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
               f"parent run `{parent_run_id}`.", "",
               "## Results", ""]
     if measures is RECALL_MEASURES:
+        against = ("against the Transformer and ResFormer groups at the same values of the other axes (for steps, "
+                   "only when every cell of both groups reached it)" if "model.arch" in spec.group_axes() else
+                   "of the answer loss against the baseline group (— with fewer than two seeds a side)")
         lines += ["Mean ± sample std over seeds. Held-out accuracy: the share of answers right (argmax over the "
                   "whole vocabulary) on the task's fixed held-out sequences at the end of the run (a run that "
                   "reached its `stop_at_acc` stopped there); best acc: the highest of any validation. Steps to 0.9 / "
                   "0.99: the first validation at that accuracy, as optimizer steps (resolution: the validation "
-                  "interval), mean over the cells that reached it, (k/n) how many did. p: two-sided Welch t-test "
-                  "over seeds against the Transformer and ResFormer groups at the same values of the other axes "
-                  "(for steps, only when every cell of both groups reached it). Answer loss: cross-entropy at the "
-                  "answers.", ""]
+                  f"interval), mean over the cells that reached it, (k/n) how many did. p: two-sided Welch t-test "
+                  f"over seeds {against}. Answer loss: cross-entropy at the answers.", ""]
     else:
         lines += ["Mean ± sample std over seeds. p: two-sided Welch t-test against the baseline group over seeds "
                   "(— when a side has fewer than two values). Throughput is the mean logged tokens/s; memory the "
