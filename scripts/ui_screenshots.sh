@@ -15,15 +15,15 @@ SERVER=""
 cleanup() { [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-SMALL=(model.n_layers=2 train.max_tokens=131072 train.val_every_tokens=32768 eval.limit=20
+SMALL=(model.n_layers=2 train.max_tokens=65536 train.val_every_tokens=16384 eval.limit=10
        "train.out_dir=$WORK/runs" "tracking.uri=$STORE")
 $PY -c "import mlflow; mlflow.MlflowClient('$STORE').search_experiments()"   # create the store once
 for arch in transformer satformer; do
-  .venv/bin/satlab train "experiment=tiny/$arch" --no-progress "${SMALL[@]}" > "$WORK/$arch.log" 2>&1
+  $PY -m satlab.cli.main train "experiment=tiny/$arch" --no-progress "${SMALL[@]}" > "$WORK/$arch.log" 2>&1
 done
 
 PORT=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-.venv/bin/mlflow server --backend-store-uri "$STORE" --default-artifact-root "$WORK/mlruns/artifacts" \
+$PY -m mlflow server --backend-store-uri "$STORE" --default-artifact-root "$WORK/mlruns/artifacts" \
   --host 127.0.0.1 --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
@@ -40,7 +40,7 @@ shot() {  # url, file
     --disable-component-update --disable-sync --user-data-dir="$WORK/chrome" --hide-scrollbars \
     --window-size=1600,1100 --virtual-time-budget=20000 --screenshot="$2" "$1" 2>/dev/null
 }
-shot "http://127.0.0.1:$PORT/#/experiments/$EXP" "$OUT/runs_table.png"
+shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs" "$OUT/runs_table.png"
 shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs/$RUN/model-metrics" "$OUT/run_metrics.png"
 shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs/$RUN" "$OUT/run_overview.png"
 echo "screenshots in $OUT: runs_table.png run_metrics.png run_overview.png"

@@ -50,7 +50,8 @@ def test_two_tiny_runs_share_one_experiment_with_arch_tags_and_are_running_while
     assert running == {"transformer", "satformer"}, "each run was RUNNING, with metrics, while it trained"
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 2 and len({r.info.experiment_id for r in runs}) == 1
-    assert client.get_experiment(runs[0].info.experiment_id).name == "tiny"
+    experiment = client.get_experiment(runs[0].info.experiment_id)
+    assert experiment.name == "tiny" and experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     for run in runs:
         arch = run.data.tags["arch"]
         assert run.info.status == "FINISHED" and run.info.end_time

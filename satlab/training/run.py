@@ -39,7 +39,13 @@ from satlab.training.resilience import (
     find_resume_checkpoint,
 )
 from satlab.training.summary import print_summary
-from satlab.training.tracking import ensure_reachable, open_store, provenance_tags, resolve_tracking
+from satlab.training.tracking import (
+    ensure_reachable,
+    mark_model_training,
+    open_store,
+    provenance_tags,
+    resolve_tracking,
+)
 
 RUN_INFO = "run.json"
 
@@ -171,6 +177,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
 
         logger = make_logger(cfg, run_dir, info, preset, target, resume_step)
         if logger is not None:
+            mark_model_training(logger.experiment, logger.experiment_id)
             info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
                     "experiment": logger._experiment_name}
             (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))

@@ -79,6 +79,14 @@ def ensure_reachable(uri: str, fallback_local: bool) -> str:
     )
 
 
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+"""MLflow 3's UI opens an experiment without this tag on its GenAI overview; with it, on the runs table."""
+
+
+def mark_model_training(client: mlflow.MlflowClient, experiment_id: str) -> None:
+    client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+
+
 def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str | None) -> str:
     """The id of the MLflow experiment ``name``, created (with ``artifact_location``) if it does not exist yet."""
     from mlflow.exceptions import MlflowException
@@ -87,9 +95,11 @@ def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        created = client.create_experiment(name, artifact_location=artifact_location)
     except MlflowException:  # another process or host created it between the two calls
         return client.get_experiment_by_name(name).experiment_id
+    mark_model_training(client, created)
+    return created
 
 
 def git_revision() -> tuple[str, bool]:
