@@ -42,7 +42,12 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
     low, _ = axes.get_ylim()
     axes.set_ylim(low, max(tops) + 0.05 * (max(tops) - low))  # the untrained first point would squash the rest
     axes.xaxis.set_major_formatter(EngFormatter())
-    axes.set_xlabel("tokens seen")
+    return _save_lines(figure, axes, path, "tokens seen", ylabel, title)
+
+
+def _save_lines(figure, axes, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label, grid and legend a line plot, write it to ``path`` and close it."""
+    axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.grid(alpha=0.3)
@@ -77,16 +82,7 @@ def metric_vs_axis(groups: Sequence[GroupResult], axis: str, line_key: str, metr
         plt.close(figure)
         return None
     axes.set_xticks(range(len(points)), [str(p) for p in points])
-    axes.set_xlabel(axis)
-    axes.set_ylabel(metric.replace("_", " "))
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save_lines(figure, axes, path, axis, metric.replace("_", " "), title)
 
 
 def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, columns: int = 3) -> Path | None:
