@@ -91,16 +91,6 @@ class LMModule(L.LightningModule):
         if self.reached_stop_acc:  # resumed after stopping at data.mqar.stop_at_acc: nothing left to train
             self.trainer.should_stop = True
 
-    def _record_recall(self, accuracy: float) -> None:
-        for threshold in RECALL_THRESHOLDS:
-            key = f"{threshold:g}"
-            if accuracy >= threshold and key not in self.recall_reached:
-                self.recall_reached[key] = self.global_step
-        stop_at = self.cfg.data.mqar.stop_at_acc
-        if stop_at is not None and accuracy >= stop_at and self.trainer.state.fn == "fit":
-            self.reached_stop_acc = True
-            self.trainer.should_stop = True
-
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         idx, targets = batch
         loss = self.loss(idx, targets)
@@ -171,7 +161,14 @@ class LMModule(L.LightningModule):
 
     def _log_recall(self, accuracy: float) -> None:
         self.log("recall/acc", accuracy, prog_bar=True)
-        self._record_recall(accuracy)
+        for threshold in RECALL_THRESHOLDS:
+            key = f"{threshold:g}"
+            if accuracy >= threshold and key not in self.recall_reached:
+                self.recall_reached[key] = self.global_step
+        stop_at = self.cfg.data.mqar.stop_at_acc
+        if stop_at is not None and accuracy >= stop_at and self.trainer.state.fn == "fit":
+            self.reached_stop_acc = True
+            self.trainer.should_stop = True
         for key, first in self.recall_reached.items():  # logged at every validation, so the last value is the answer
             self.log(f"recall/steps_to_{key}", float(first))
             self.log(f"recall/sequences_to_{key}", float(first * self.schedule.tokens_per_step / self.cfg.data.seq_len))
