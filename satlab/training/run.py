@@ -41,6 +41,7 @@ from satlab.training.resilience import (
 from satlab.training.summary import print_summary
 from satlab.training.tracking import (
     ensure_reachable,
+    experiment_id,
     mark_model_training,
     open_store,
     provenance_tags,
@@ -136,8 +137,12 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
         return None
     uri, artifacts = target
     description = {"mlflow.note.content": cfg.description} if cfg.description else {}
+    name = cfg.tracking.experiment or experiment_family(preset) or cfg.name
+    import mlflow
+
+    experiment_id(mlflow.MlflowClient(open_store(uri)), name, artifacts)  # made here: two runs of a family race
     return ResumableMLFlowLogger(
-        experiment_name=cfg.tracking.experiment or experiment_family(preset) or cfg.name,
+        experiment_name=name,
         run_name=cfg.name,
         tracking_uri=open_store(uri),
         artifact_location=artifacts,
