@@ -46,7 +46,7 @@ client = mlflow.MlflowClient(f"sqlite:///{out}/mlflow.db")
 for exp in client.search_experiments():
     for run in client.search_runs([exp.experiment_id]):
         m = run.data.metrics
-        print(f"{run.info.run_name:22s} mfu={m.get('perf/mfu', float('nan')):.3f} "
-              f"tok/s={m.get('perf/tokens_per_sec', float('nan')):,.0f} peak_mem_gb={m.get('perf/peak_mem_gb', float('nan')):.1f} "
+        print(f"{run.info.run_name:22s} mfu={m.get('system/mfu', float('nan')):.3f} "
+              f"tok/s={m.get('system/tokens_per_sec', float('nan')):,.0f} peak_mem_gb={m.get('system/peak_mem_gb', float('nan')):.1f} "
               f"val_loss={m.get('val/loss', float('nan')):.3f}")
 PY

@@ -12,10 +12,11 @@ WORK=$(mktemp -d)
 STORE="sqlite:///$WORK/mlruns/mlflow.db"
 mkdir -p "$WORK/mlruns"
 SERVER=""
-cleanup() { [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; rm -rf "$WORK"; }
+BROWSER=""
+cleanup() { for pid in $SERVER $BROWSER; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-SMALL=(model.n_layers=2 train.max_tokens=65536 train.val_every_tokens=16384 eval.limit=10
+SMALL=(model.n_layers=2 train.max_tokens=65536 train.val_every_tokens=16384 train.log_every_n_steps=1 eval.limit=10
        "train.out_dir=$WORK/runs" "tracking.uri=$STORE")
 $PY -c "import mlflow; mlflow.MlflowClient('$STORE').search_experiments()"   # create the store once
 for arch in transformer satformer; do
@@ -35,12 +36,17 @@ run = client.search_runs([experiment.experiment_id], "tags.arch = 'satformer'")[
 print(experiment.experiment_id, run.info.run_id)
 PYEOF
 )
-shot() {  # url, file
-  chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
-    --disable-component-update --disable-sync --user-data-dir="$WORK/chrome" --hide-scrollbars \
-    --window-size=1600,1100 --virtual-time-budget=20000 --screenshot="$2" "$1" 2>/dev/null
-}
-shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs" "$OUT/runs_table.png"
-shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs/$RUN/model-metrics" "$OUT/run_metrics.png"
-shot "http://127.0.0.1:$PORT/#/experiments/$EXP/runs/$RUN" "$OUT/run_overview.png"
-echo "screenshots in $OUT: runs_table.png run_metrics.png run_overview.png"
+CDP=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
+  --disable-component-update --disable-sync --user-data-dir="$WORK/chrome" --hide-scrollbars \
+  --remote-debugging-port="$CDP" about:blank > "$WORK/chromium.log" 2>&1 &
+BROWSER=$!
+for _ in $(seq 60); do curl -sf "http://127.0.0.1:$CDP/json/version" >/dev/null && break; sleep 0.5; done
+UI="http://127.0.0.1:$PORT/#/experiments/$EXP"
+ML="workflowType=machine_learning"  # the UI opens in its GenAI mode on a fresh browser profile
+$PY scripts/cdp_screenshot.py --port "$CDP" \
+  "$OUT/runs_table.png" "$UI/runs?$ML" \
+  "$OUT/run_metrics.png" "$UI/runs/$RUN/model-metrics?$ML" \
+  "$OUT/run_system_metrics.png" "$UI/runs/$RUN/system-metrics?$ML" \
+  "$OUT/run_overview.png" "$UI/runs/$RUN?$ML"
+echo "screenshots in $OUT: runs_table.png run_metrics.png run_system_metrics.png run_overview.png"

@@ -190,7 +190,7 @@ def test_offline_suite_reports_every_task_size_group_and_average(cache):
                 assert 0.0 <= value <= 1.0, (task, metric)
     assert set(results[AVERAGES_KEY]) == {"offline_zero_shot_avg", "offline_retrieval_avg"}
     keys = metric_keys(results)
-    assert "eval/satlab_phonebook_192/acc" in keys and "eval/offline_retrieval_avg" in keys
+    assert "zero_shot/satlab_phonebook_192/acc" in keys and "zero_shot/offline_retrieval_avg" in keys
     assert all(re.fullmatch(r"[A-Za-z0-9_/. -]+", key) for key in keys)
 
 
@@ -228,7 +228,7 @@ def test_cli_reports_logs_into_the_checkpoint_run_and_rejects_bad_input(cache, t
                  "--json", str(out)]) == 0
     assert "satlab_phonebook_192" in capsys.readouterr().out
     assert set(json.loads(out.read_text())) == {"satlab_mqar_8", "satlab_phonebook_192"}
-    history = client.get_metric_history(run_id, "eval/satlab_mqar_8/acc")
+    history = client.get_metric_history(run_id, "zero_shot/satlab_mqar_8/acc")
     assert [m.step for m in history] == [7]
 
     assert SatlabLM(ckpt=run_dir).step == 7  # lm-eval's model_args=ckpt=...

@@ -37,12 +37,12 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     table = json.loads(Path(local).read_text())
     values = {(row[0], row[1]): row[2] for row in table["data"]}
     assert 0.0 <= values[("satlab_cloze_choice", "acc")] <= 1.0 and 0.0 <= values[("satlab_mqar", "acc")] <= 1.0
-    assert not [k for k in run.data.metrics if k.count("/") > 1 and k.startswith("eval/")]  # no per-task series
-    assert not [k for k in run.data.metrics if k.startswith("gates/by_")]
-    sparsity_steps = [m.step for m in client.get_metric_history(run.info.run_id, "gates/sparsity")]
+    assert not [k for k in run.data.metrics if k.count("/") > 1 and k.startswith("zero_shot/")]  # no per-task series
+    assert not [k for k in run.data.metrics if k.startswith("val/gates/by_")]
+    sparsity_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/gates/sparsity")]
     assert len(sparsity_steps) >= 2  # every validation during fit, and the end
     artifacts = artifact_paths(client, run.info.run_id)
     assert "gates/step_8/heatmap.png" in artifacts and "gates/step_8/gates.json" in artifacts
-    assert evaluation.last_results["eval/satlab_mqar/acc"] == pytest.approx(values[("satlab_mqar", "acc")])
-    averages = [k for k in evaluation.last_results if k.startswith("eval/") and k.count("/") == 1]
+    assert evaluation.last_results["zero_shot/satlab_mqar/acc"] == pytest.approx(values[("satlab_mqar", "acc")])
+    averages = [k for k in evaluation.last_results if k.startswith("zero_shot/") and k.count("/") == 1]
     assert all(run.data.metrics[k] == pytest.approx(evaluation.last_results[k]) for k in averages)  # suite averages

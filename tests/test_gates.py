@@ -45,8 +45,8 @@ def test_zero_relu_layer_is_dead_and_saturated_at_zero():
     assert report.dead[0].all() and report.saturated_at[0] == [0.0, 0.0]
     assert not report.dead[1].any() and report.sparsity[1].max() < 0.99
     scalars = report.scalars()
-    assert scalars["gates/dead_heads"] == 2 and scalars["gates/dead_head_frac"] == 0.5
-    assert scalars["gates/saturated_frac"] == 0.5 and scalars["gates/layer_1/mean"] == 0.0
+    assert scalars["val/gates/dead_heads"] == 2 and scalars["val/gates/dead_head_frac"] == 0.5
+    assert scalars["val/gates/saturated_frac"] == 0.5 and scalars["val/gates/layer_1/mean"] == 0.0
     assert all(re.fullmatch(r"[A-Za-z0-9_/. -]+", key) for key in scalars)
 
 
@@ -58,8 +58,8 @@ def test_sigmoid_with_large_bias_saturates_at_one():
     assert report.saturated.all() and report.saturated_at == [[1.0, 1.0], [1.0, 1.0]]
     np.testing.assert_allclose(report.mean, 1.0, atol=1e-6)
     scalars = report.scalars()
-    assert scalars["gates/saturated_frac"] == 1.0 and scalars["gates/sparsity"] == 0.0
-    assert scalars["gates/dead_heads"] == 0
+    assert scalars["val/gates/saturated_frac"] == 1.0 and scalars["val/gates/sparsity"] == 0.0
+    assert scalars["val/gates/dead_heads"] == 0
 
 
 def test_tanh_saturates_at_minus_one_and_identity_never():
@@ -194,9 +194,9 @@ def test_log_gate_analysis_writes_metrics_and_artifacts(mlflow_client, tmp_path)
     model = make()
     logged = log_gate_analysis(client, run_id, analyze_gates(model, batch(), byte_tokenizer()), model, step=5)
     metrics = client.get_run(run_id).data.metrics
-    for key in ("gates/mean", "gates/sparsity", "gates/saturated_frac", "gates/dead_heads", "gates/layer_2/mean"):
+    for key in ("val/gates/mean", "val/gates/sparsity", "val/gates/saturated_frac", "val/gates/dead_heads", "val/gates/layer_2/mean"):
         assert metrics[key] == pytest.approx(logged[key])
-    assert client.get_metric_history(run_id, "gates/mean")[0].step == 5
+    assert client.get_metric_history(run_id, "val/gates/mean")[0].step == 5
     assert artifact_paths(client, run_id, "gates") == {
         f"gates/step_5/{name}" for name in ("heatmap.png", "categories.png", "gates.json", "value_access.png")
     }
@@ -208,6 +208,6 @@ def test_log_gate_analysis_without_gates_logs_only_mixing(mlflow_client):
     client, experiment = mlflow_client
     run_id = client.create_run(experiment).info.run_id
     model = make("denseformer")
-    assert log_gate_analysis(client, run_id, analyze_gates(model, batch()), model, step=0, prefix="eval_gates") == {}
+    assert log_gate_analysis(client, run_id, analyze_gates(model, batch()), model, step=0) == {}
     assert client.get_run(run_id).data.metrics == {}
-    assert artifact_paths(client, run_id, "eval_gates") == {"eval_gates/step_0/mixing/denseformer.png"}
+    assert artifact_paths(client, run_id, "gates") == {"gates/step_0/mixing/denseformer.png"}

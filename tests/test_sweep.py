@@ -169,7 +169,7 @@ def test_micro_sweep_has_a_parent_run_with_one_child_per_trial(micro_sweep):
     by_state = dict(zip(runs["tags.optuna.state"], runs["status"], strict=True))
     assert by_state == {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
     pruned = runs[runs["tags.optuna.state"] == "PRUNED"].iloc[0]
-    assert pruned["tags.sweep.reason"] == "gate_saturation" and pruned["metrics.gates/saturated_frac"] == 1.0
+    assert pruned["tags.sweep.reason"] == "gate_saturation" and pruned["metrics.val/gates/saturated_frac"] == 1.0
     parent = mlflow.MlflowClient().get_run(parent_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["git_revision"]
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent_id, "report")}

@@ -50,7 +50,7 @@ def test_twenty_steps_of_every_architecture_land_in_mlflow(workdir, arch):
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["model.arch"] == arch and run.data.tags["arch"] == arch
-    for metric in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_sec", "tokens_seen", "train/lr"):
+    for metric in ("train/loss", "val/loss", "val/ppl", "system/tokens_per_sec", "tokens_seen", "train/lr"):
         assert metric in run.data.metrics, metric
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")][0] == 0
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]

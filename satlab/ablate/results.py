@@ -33,11 +33,11 @@ class Column:
 
 COLUMNS = (
     Column("val_loss", "final val loss", "val/loss", "last", "{:.4f}"),
-    Column("zero_shot", "zero-shot avg", "eval/offline_zero_shot_avg", "last", "{:.3f}"),
-    Column("retrieval", "retrieval avg", "eval/offline_retrieval_avg", "last", "{:.3f}"),
-    Column("tokens_per_sec", "tokens/s", "perf/tokens_per_sec", "mean", "{:,.0f}"),
-    Column("peak_mem_gb", "peak mem (GB)", "perf/peak_mem_gb", "max", "{:.2f}"),
-    Column("gate_sparsity", "gate sparsity", "gates/sparsity", "last", "{:.2f}"),
+    Column("zero_shot", "zero-shot avg", "zero_shot/offline_zero_shot_avg", "last", "{:.3f}"),
+    Column("retrieval", "retrieval avg", "zero_shot/offline_retrieval_avg", "last", "{:.3f}"),
+    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
+    Column("peak_mem_gb", "peak mem (GB)", "system/peak_mem_gb", "max", "{:.2f}"),
+    Column("gate_sparsity", "gate sparsity", "val/gates/sparsity", "last", "{:.2f}"),
 )
 RECALL_COLUMNS = (
     Column("recall_acc", "held-out acc", "recall/acc", "last", "{:.3f}"),
@@ -45,7 +45,7 @@ RECALL_COLUMNS = (
     Column("steps_to_0.9", "steps to 0.9", "recall/steps_to_0.9", "last", "{:,.0f}"),
     Column("steps_to_0.99", "steps to 0.99", "recall/steps_to_0.99", "last", "{:,.0f}"),
     Column("val_loss", "answer loss", "val/loss", "last", "{:.3f}"),
-    Column("tokens_per_sec", "tokens/s", "perf/tokens_per_sec", "mean", "{:,.0f}"),
+    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
 )
 
 

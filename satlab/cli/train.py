@@ -36,16 +36,18 @@ def run(args: argparse.Namespace) -> int:
 
 def print_evaluation(metrics: dict[str, float]) -> None:
     """The end-of-run evaluation: suite averages, each task's primary metrics, and the gate summary."""
+    from satlab.evaluation.gates import METRIC_PREFIX as GATES
+    from satlab.evaluation.suite import METRIC_PREFIX as TASKS
+
+    gate_summary = [f"{GATES}/{name}" for name in ("mean", "sparsity", "saturated_frac", "dead_head_frac")]
     table = Table(title="evaluation at the end of the run", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key in sorted(metrics):
-        if key.startswith("eval/") and key.count("/") <= 2 or key in GATE_SUMMARY:
+        if key.startswith(f"{TASKS}/") and key.count("/") <= 2 or key in gate_summary:
             table.add_row(key, f"{metrics[key]:.4f}")
     make_console().print(table)
 
-
-GATE_SUMMARY = ("gates/mean", "gates/sparsity", "gates/saturated_frac", "gates/dead_head_frac")
 
 
 def print_plan(cfg) -> None:

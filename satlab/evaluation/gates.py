@@ -50,6 +50,11 @@ def gate_bounds(gate_fn: str, heads: int) -> tuple[float, ...]:
     raise ValueError(f"unknown gate function {gate_fn!r}")
 
 
+
+METRIC_PREFIX = "val/gates"
+"""Gate statistics are measured on fixed validation windows, and MLflow orders a run's chart sections by name:
+under ``val/`` they follow the loss curves instead of preceding them."""
+
 @dataclass
 class CategoryTable:
     """Mean gate per category value: ``counts[v]`` tokens, ``layer_means[v][l]`` over gated layer l, ``means[v]``
@@ -87,7 +92,7 @@ class GateReport:
     def saturated(self) -> np.ndarray:
         return np.array([[b is not None for b in row] for row in self.saturated_at], dtype=bool)
 
-    def scalars(self, prefix: str = "gates") -> dict[str, float]:
+    def scalars(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
         """Summary metrics: overall mean, sparsity (over elements; every layer has the same number), share of
         saturated (layer, head) pairs, dead heads, per layer mean and sparsity. The per-category means (position,
         token kind) are in :meth:`to_json` and the category plot, not here: as metrics they were dozens of

@@ -2,8 +2,8 @@
 
 Results come back as ``{task: {metric: value}}`` with lm-eval's ``,none`` filter suffix dropped (other filters
 become ``metric/filter``), one entry per task, per sized task and per group, plus :data:`AVERAGES_KEY` holding
-the suite averages. :func:`metric_keys` flattens them to MLflow keys ``eval/<task>/<metric>`` and
-``eval/offline_zero_shot_avg``, ``eval/offline_retrieval_avg``.
+the suite averages. :func:`metric_keys` flattens them to MLflow keys ``zero_shot/<task>/<metric>`` and
+``zero_shot/offline_zero_shot_avg``, ``zero_shot/offline_retrieval_avg``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from satlab.models import DecoderLM
 
 DEFAULT_CACHE_DIR = ".cache/satlab"
 AVERAGES_KEY = "averages"
+METRIC_PREFIX = "zero_shot"
+"""Every task here runs zero-shot. MLflow orders a run's chart sections by name, and ``eval/`` put the one-point
+end-of-run charts in front of the loss curves; ``zero_shot/`` sorts after ``train/`` and ``val/``."""
 """The results entry with the suite averages; :func:`metric_keys` logs them without a task part."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_/. -]")
 
@@ -133,7 +136,7 @@ def with_averages(results: dict[str, dict[str, float]]) -> dict[str, dict[str, f
     return {**results, AVERAGES_KEY: averages} if averages else results
 
 
-def metric_keys(results: dict[str, dict[str, float]], prefix: str = "eval") -> dict[str, float]:
+def metric_keys(results: dict[str, dict[str, float]], prefix: str = METRIC_PREFIX) -> dict[str, float]:
     """Flat MLflow metric keys: ``<prefix>/<task>/<metric>``, and ``<prefix>/<average>`` for the averages."""
     flat = {}
     for task, metrics in results.items():

@@ -17,11 +17,11 @@ import optuna
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from satlab.evaluation.gates import analyze_gates
+from satlab.evaluation.gates import METRIC_PREFIX, analyze_gates
 from satlab.sweep.spec import SaturationGuard
 from satlab.sweep.study import RUN_ID, SATURATION, TOKENS
 
-SATURATION_METRIC = "gates/saturated_frac"
+SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"
 
 
 class TrialStopped(Exception):

@@ -86,7 +86,7 @@ def plot_param_vs_objective(rows: list[dict[str, Any]], spec: SweepSpec, param: 
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel(metric)
     mappable = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap=colormap)
-    figure.colorbar(mappable, ax=axes[0].tolist(), label="gates/saturated_frac (grey: no gates)")
+    figure.colorbar(mappable, ax=axes[0].tolist(), label="val/gates/saturated_frac (grey: no gates)")
     figure.suptitle(f"sweep {spec.name}: {param} vs {metric}")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)

@@ -99,7 +99,7 @@ class PrunerSpec:
 
 @dataclass
 class SaturationGuard:
-    """Prune a trial whose ``gates/saturated_frac`` (on ``windows`` fixed validation windows) stays above
+    """Prune a trial whose ``val/gates/saturated_frac`` (on ``windows`` fixed validation windows) stays above
     ``threshold`` for ``patience`` validations in a row; ``constraint`` also tells the sampler about it.
     ``threshold: null`` turns the guard off."""
 

@@ -23,7 +23,7 @@ from satlab.sweep.spec import Param, SweepSpec, TrialSettings, active_params
 REASON = "reason"  # why a trial was pruned or failed: pruned, gate_saturation, nan, oom, timeout, ...
 ARCH = "arch"  # the trial's model.arch, so the dashboard's trial table shows it
 VALUE = "objective_value"  # the objective a trial process computed (the driver returns it to Optuna)
-SATURATION = "saturated_frac"  # the last gates/saturated_frac measured (absent for models without gates)
+SATURATION = "saturated_frac"  # the last val/gates/saturated_frac measured (absent for models without gates)
 TOKENS = "tokens_seen"  # tokens seen at the last validation
 RUN_ID = "mlflow_run_id"
 PID = "pid"

@@ -65,7 +65,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputCallback(L.Callback):
-    """Logs perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/mfu, perf/peak_mem_gb, perf/data_wait_frac.
+    """Logs system/tokens_per_sec, system/tokens_per_sec_per_device, system/mfu, system/peak_mem_gb, system/data_wait_frac.
 
     Rates are averaged over the optimizer steps since the last log, with the first ``warmup_steps`` steps (compile,
     allocator warm-up) left out; time spent in validation is not counted.
@@ -124,14 +124,14 @@ class ThroughputCallback(L.Callback):
         self.total_train_time += self.window_time
         self.total_train_tokens += tokens
         metrics = {
-            "perf/tokens_per_sec": rate,
-            "perf/tokens_per_sec_per_device": rate / self.world_size,
-            "perf/peak_mem_gb": peak_memory_gb(pl_module.device),
-            "perf/data_wait_frac": self.window_wait / self.window_time,
+            "system/tokens_per_sec": rate,
+            "system/tokens_per_sec_per_device": rate / self.world_size,
+            "system/peak_mem_gb": peak_memory_gb(pl_module.device),
+            "system/data_wait_frac": self.window_wait / self.window_time,
         }
         if self.peak:
-            metrics["perf/mfu"] = rate / self.world_size * self.flops_per_token / self.peak
-            metrics["perf/peak_tflops_used_for_mfu"] = self.peak / 1e12
+            metrics["system/mfu"] = rate / self.world_size * self.flops_per_token / self.peak
+            metrics["system/peak_tflops_used_for_mfu"] = self.peak / 1e12
         pl_module.log_dict(metrics, prog_bar=False)
         pl_module.log("tok/s", rate, prog_bar=True, logger=False)
         self._reset()
