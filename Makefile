@@ -50,8 +50,9 @@ test: $(STAMP) ## run the fast test suite (what CI runs)
 test-full: $(STAMP) ## run every test, slow ones included
 	$(PY) -m pytest -q -m ''
 
-lint: $(STAMP) ## ruff over the package and tests
+lint: $(STAMP) ## ruff over the package and tests, and the import contracts (pyproject's [tool.importlinter])
 	$(VENV)/bin/ruff check satlab tests
+	$(VENV)/bin/lint-imports
 
 archs: $(STAMP) ## table of every architecture and variant (SIZE=tiny|small|medium|large|xl)
 	$(VENV)/bin/satlab archs --size $(or $(SIZE),tiny)

@@ -19,14 +19,15 @@ import pytest
 import yaml
 from scipy import stats
 
-from satlab.ablate.driver import run_ablation
-from satlab.ablate.loader import apply_items, list_ablations, load_ablation, spec_from_dict
-from satlab.ablate.plots import tile_images
-from satlab.ablate.runs import CELL_TAG, PARENT_TAG, child_runs
-from satlab.ablate.state import STATE_FILE, AblationState
-from satlab.ablate.stats import best_verdict, mean_std, ordering_verdict, welch_p
 from satlab.cli.main import main as satlab_main
 from satlab.config.errors import ConfigError
+from satlab.studies.ablation_plots import tile_images
+from satlab.studies.engine import run_study
+from satlab.studies.loader import apply_items, list_specs, load_ablation, spec_from_dict
+from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
+from satlab.studies.spec import AblationSpec
+from satlab.studies.state import STATE_FILE, StudyState
+from satlab.studies.stats import best_verdict, mean_std, ordering_verdict, welch_p
 
 MICRO = {  # a model that trains in seconds on a CPU
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -41,7 +42,8 @@ def problems(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
 
 
 def test_grid_expansion_order_keys_slugs_and_groups() -> None:
-    spec = spec_from_dict({"name": "g", "axes": {"model": {"arch": ["transformer", "satformer"]},
+    spec = spec_from_dict(
+        AblationSpec, {"name": "g", "axes": {"model": {"arch": ["transformer", "satformer"]},
                                                  "train.seed": [0, 1, 2]},
                            "baseline": {"model.arch": "satformer"}})
     cells = spec.cells()
@@ -52,14 +54,17 @@ def test_grid_expansion_order_keys_slugs_and_groups() -> None:
     assert cells[3].overrides() == ["model.arch=satformer", "train.seed=0"] and cells[3].seed == 0
     assert spec.baseline_values() == {"model.arch": "satformer"}
     assert spec.out_path().as_posix().endswith("reports/ablations/g")
-    same_leaf = spec_from_dict({"name": "l", "axes": {"model.satformer.last_k": [None, 2], "data.last_k": [1]}})
+    same_leaf = spec_from_dict(
+        AblationSpec, {"name": "l", "axes": {"model.satformer.last_k": [None, 2], "data.last_k": [1]}})
     assert same_leaf.cells()[0].slug == "model.satformer.last_k=null,data.last_k=1"
-    assert spec_from_dict({"name": "d", "axes": {"optim.lr": [1e-3, 3e-3]}}).baseline_values() == {"optim.lr": 1e-3}
+    assert spec_from_dict(
+        AblationSpec, {"name": "d", "axes": {"optim.lr": [1e-3, 3e-3]}}).baseline_values() == {"optim.lr": 1e-3}
 
 
 def test_spec_problems_are_all_reported_with_did_you_mean() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        spec_from_dict({"name": "bad/name", "axis": {}, "axes": {"model.arch": [], "train.seed": 3,
+        spec_from_dict(
+        AblationSpec, {"name": "bad/name", "axis": {}, "axes": {"model.arch": [], "train.seed": 3,
                                                                   "optim.lr": [1e-3, 1e-3], "model.size": ["tiny"]},
                         "overrides": {"model.size": "tiny"}, "baseline": {"train.seed": 0, "model.arh": "x"},
                         "timeout_minutes": -1})
@@ -70,9 +75,11 @@ def test_spec_problems_are_all_reported_with_did_you_mean() -> None:
     assert "axis 'optim.lr' repeats a value" in text and "'model.size' is both a fixed override and an axis" in text
     assert "baseline cannot fix the seed axis" in text and "(did you mean 'model.arch'?)" in text
     with pytest.raises(ConfigError, match="'axes' is empty"):
-        spec_from_dict({"name": "e", "axes": {}})
+        spec_from_dict(
+        AblationSpec, {"name": "e", "axes": {}})
     with pytest.raises(ConfigError, match="not among the axis values"):
-        spec_from_dict({"name": "b", "axes": {"model.arch": ["transformer"]}, "baseline": {"model.arch": "mudd"}})
+        spec_from_dict(
+        AblationSpec, {"name": "b", "axes": {"model.arch": ["transformer"]}, "baseline": {"model.arch": "mudd"}})
 
 
 def test_axis_keys_and_values_are_checked_against_the_config(tmp_path: Path) -> None:
@@ -89,17 +96,17 @@ def test_axis_keys_and_values_are_checked_against_the_config(tmp_path: Path) -> 
 
 
 def test_command_line_items_set_the_spec_or_override_the_config() -> None:
-    data = apply_items({"name": "x", "axes": {"model": {"arch": ["transformer"]}}},
+    data = apply_items(AblationSpec, {"name": "x", "axes": {"model": {"arch": ["transformer"]}}},
                        ["axes.train.seed=[0,1]", "baseline.model.arch=transformer", "train.max_tokens=1e5",
                         "out_dir=/tmp/x"])
     assert data["axes"] == {"model.arch": ["transformer"], "train.seed": [0, 1]}
     assert data["overrides"] == {"train.max_tokens": 100000.0} and data["out_dir"] == "/tmp/x"
     with pytest.raises(ConfigError, match="malformed item"):
-        apply_items({}, ["axes.model.arch"])
+        apply_items(AblationSpec, {}, ["axes.model.arch"])
 
 
 def test_shipped_ablations_expand_and_load() -> None:
-    names = list_ablations()
+    names = list_specs(AblationSpec)
     assert {"arch_tiny", "granularity", "gate_fn", "arch_small", "arch_xl"} <= set(names)
     arch = load_ablation("arch_tiny")
     assert len(arch.cells()) == 18 and arch.baseline_values() == {"model.arch": "transformer"}
@@ -169,7 +176,7 @@ def finished_children(client: mlflow.MlflowClient, parent_run_id: str) -> dict[s
 
 def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     spec = load_ablation(write_micro_spec(tmp_path))
-    result = run_ablation(spec, workers=2)
+    result = run_study(spec, workers=2)
     assert not result.failed and not result.interrupted and len(result.finished) == 4
     client = mlflow.MlflowClient(result.tracking_uri)
     parent = client.get_run(result.parent_run_id)
@@ -190,21 +197,21 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     logged = {a.path for a in client.list_artifacts(result.parent_run_id, "report")}
     assert {"report/report.md", "report/report.html", "report/loss_curves.png"} <= logged
 
-    again = run_ablation(spec, workers=2, report=False)  # nothing left to run
+    again = run_study(spec, workers=2, report=False)  # nothing left to run
     assert (len(again.skipped), again.finished) == (4, [])
     assert finished_children(client, result.parent_run_id) == runs
 
-    state = AblationState(spec.out_path() / STATE_FILE)
+    state = StudyState(spec.out_path() / STATE_FILE)
     adopted, redo = spec.cells()[0].key, spec.cells()[3].key
     state.forget(adopted)  # the state file alone lost: MLflow still records the cell, so it is not rerun
     state.forget(redo)
     client.delete_run(runs[redo])  # the cell's MLflow record gone too: it is rerun, and only it
-    third = run_ablation(spec, workers=1, report=False)
+    third = run_study(spec, workers=1, report=False)
     assert third.finished == [redo] and adopted in third.skipped
     after = finished_children(client, result.parent_run_id)
     assert after[redo] != runs[redo] and {k: v for k, v in after.items() if k != redo} == \
         {k: v for k, v in runs.items() if k != redo}
-    assert AblationState(spec.out_path() / STATE_FILE).cells[adopted]["status"] == "finished"
+    assert StudyState(spec.out_path() / STATE_FILE).cells[adopted]["status"] == "finished"
 
     heatmap = tmp_path / "heatmap.png"
     plt.imsave(heatmap, np.random.default_rng(0).random((10, 10)))
@@ -240,19 +247,20 @@ def test_a_killed_ablation_resumes_only_the_unfinished_cells(tmp_path: Path) -> 
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     time.sleep(5)
-    leftovers = subprocess.run(["pgrep", "-f", f"satlab.ablate.cell experiment={spec.out_path()}"],
+    leftovers = subprocess.run(["pgrep", "-f", f"satlab.studies.child experiment={spec.out_path().resolve()}"],
                                capture_output=True, text=True).stdout.split()
     assert leftovers == []
-    result = run_ablation(spec, workers=1, report=False)
+    result = run_study(spec, workers=1, report=False)
     first = [c.key for c in spec.cells() if c.seed == 0][0]
     assert result.skipped == [first] and len(result.finished) == 3 and not result.failed
 
 
 def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_each_difficulty(tmp_path: Path) -> None:
-    from satlab.ablate.report import write_report
-    from satlab.ablate.runs import create_parent_run
+    from satlab.studies.ablation_report import write_report
+    from satlab.studies.runs import create_parent_run
 
-    spec = spec_from_dict({"name": "recall-report", "base": "recall/mqar", "out_dir": str(tmp_path / "out"),
+    spec = spec_from_dict(
+        AblationSpec, {"name": "recall-report", "base": "recall/mqar", "out_dir": str(tmp_path / "out"),
                            "axes": {"data.mqar.num_pairs": [2, 4],
                                     "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]}})
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -304,7 +312,7 @@ def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_p
     path.write_text(yaml.safe_dump({"name": "micro-recall", "base": "recall/mqar", "overrides": overrides,
                                     "out_dir": str(tmp_path / "out"),
                                     "axes": {"model.arch": ["transformer", "satformer"]}}))
-    result = run_ablation(load_ablation(path), workers=2)
+    result = run_study(load_ablation(path), workers=2)
     assert not result.failed and len(result.finished) == 2
     header, *rows = json.loads(result.report["summary"].read_text())["table"]
     assert header[3] == "held-out acc" and "p acc vs Transformer" in header

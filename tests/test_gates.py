@@ -194,7 +194,8 @@ def test_log_gate_analysis_writes_metrics_and_artifacts(mlflow_client, tmp_path)
     model = make()
     logged = log_gate_analysis(client, run_id, analyze_gates(model, batch(), byte_tokenizer()), model, step=5)
     metrics = client.get_run(run_id).data.metrics
-    for key in ("val/gates/mean", "val/gates/sparsity", "val/gates/saturated_frac", "val/gates/dead_heads", "val/gates/layer_2/mean"):
+    for key in ("val/gates/mean", "val/gates/sparsity", "val/gates/saturated_frac", "val/gates/dead_heads",
+                "val/gates/layer_2/mean"):
         assert metrics[key] == pytest.approx(logged[key])
     assert client.get_metric_history(run_id, "val/gates/mean")[0].step == 5
     assert artifact_paths(client, run_id, "gates") == {

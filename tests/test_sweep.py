@@ -18,9 +18,10 @@ import yaml
 
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
-from satlab.sweep.loader import load_sweep
-from satlab.sweep.process import trial_command
-from satlab.sweep.study import LOG, PID, REASON, open_storage
+from satlab.studies.attrs import LOG, PID, REASON
+from satlab.studies.engine import trial_command
+from satlab.studies.loader import load_sweep
+from satlab.studies.storage import open_storage
 from satlab.training.launch import worker_env
 
 MICRO = {
@@ -125,9 +126,9 @@ def test_the_cli_reports_spec_errors_with_exit_code_2():
 
 def test_multi_gpu_trials_go_through_torchrun_and_get_their_own_gpus():
     cfg = load_experiment("default", ["train.accelerator=gpu", "train.devices=2", "train.micro_batch_size=16"]).train
-    assert trial_command(["--x"], 2, "gpu")[1:6] == ["-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc-per-node=2", "-m"]
-    assert trial_command(["--x"], 1, "gpu")[1:] == ["-m", "satlab.sweep.trial", "--x"]
+    assert trial_command(Path("t.yaml"), 2, "gpu")[1:6] == ["-m", "torch.distributed.run", "--standalone",
+                                                            "--nproc-per-node=2", "-m"]
+    assert trial_command(Path("t.yaml"), 1, "gpu")[1:] == ["-m", "satlab.studies.child", "experiment=t.yaml"]
     env = worker_env(1, 2, 4, cfg, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["OMP_NUM_THREADS"] == "4"
 
@@ -233,8 +234,10 @@ def test_a_killed_worker_is_restarted_and_every_trial_ends_with_a_reason(tmp_pat
 
 @pytest.mark.slow
 def test_a_huge_learning_rate_is_pruned_for_nan(tmp_path):
-    spec = write_spec(tmp_path, n_trials=1, space={"optim.lr": {"low": 1e-4, "high": 1e31, "log": True}},
-                      enqueue=[{"optim.lr": 1e30}], fixed={"model.arch": "transformer"})
+    # the largest learning rate and weight decay the config accepts: AdamW's decay multiplies the weights by
+    # 1 - lr * wd = -99 a step, and they overflow within a few steps
+    spec = write_spec(tmp_path, n_trials=1, space={"optim.lr": {"low": 1e-4, "high": 10, "log": True}},
+                      enqueue=[{"optim.lr": 10.0}], fixed={"model.arch": "transformer", "optim.weight_decay": 10})
     finish(start_sweep(spec))
     (trial,) = study_of(tmp_path).trials
     assert trial.state.name == "PRUNED" and trial.user_attrs[REASON] == "nan"

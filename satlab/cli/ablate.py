@@ -6,11 +6,11 @@ import argparse
 
 from rich.table import Table
 
-from satlab.ablate.loader import load_ablation
-from satlab.ablate.spec import AblationSpec
-from satlab.ablate.state import STATE_FILE, AblationState
 from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
+from satlab.studies.loader import load_ablation
+from satlab.studies.spec import AblationSpec
+from satlab.studies.state import STATE_FILE, StudyState
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,10 +20,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_grid(spec)
         return 0
-    from satlab.ablate.driver import run_ablation
+    from satlab.studies.engine import run_study
 
     console = make_console()
-    result = run_ablation(spec, workers=args.workers, console=console, report=not args.no_report)
+    result = run_study(spec, workers=args.workers, storage=args.storage, console=console, report=not args.no_report)
     console.print(f"ablation [cyan]{spec.name}[/]: {len(result.skipped)} cells finished before, "
                   f"{len(result.finished)} now, {len(result.failed)} failed"
                   + (", interrupted (the same command resumes)" if result.interrupted else ""), soft_wrap=True)
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_grid(spec: AblationSpec) -> None:
     """The cells in run order, with the status the state file records (MLflow is not opened)."""
-    state = AblationState(spec.out_path() / STATE_FILE)
+    state = StudyState(spec.out_path() / STATE_FILE)
     table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
     for column in ("#", "cell", "group", "status"):
         table.add_column(column)

@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="cells run in parallel on this host (default 1); the CPU threads are shared out, and on "
                              "a GPU host each worker gets its own train.devices GPUs")
+    parser.add_argument("--storage", metavar="URL",
+                        help="Optuna storage of the grid (default sqlite:///<out_dir>/optuna.db); the same "
+                             "postgresql://user:password@host/db on several hosts makes them share the cells")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the grid and what the state file says of each cell; run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")

@@ -12,13 +12,13 @@ import mlflow
 import yaml
 from mlflow.exceptions import MlflowException
 
-from satlab.ablate.loader import load_ablation, spec_from_dict
-from satlab.ablate.report import write_report
-from satlab.ablate.runs import SPEC_ARTIFACT, find_parent_run, usable_run
-from satlab.ablate.spec import AblationSpec
-from satlab.ablate.state import STATE_FILE, AblationState
 from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
+from satlab.studies.ablation_report import write_report
+from satlab.studies.loader import load_ablation, spec_from_dict
+from satlab.studies.runs import find_parent_run, usable_run
+from satlab.studies.spec import AblationSpec
+from satlab.studies.state import STATE_FILE, StudyState
 from satlab.training.tracking import resolve_tracking
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -37,7 +37,7 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
         client = mlflow.MlflowClient(tracking_uri or resolve_tracking(None, None)[0])
         return stored_spec(client, target), client, target
     spec = load_ablation(target)
-    state = AblationState(spec.out_path() / STATE_FILE)
+    state = StudyState(spec.out_path() / STATE_FILE)
     uri = tracking_uri or state.tracking_uri or resolve_tracking(spec.base_config().tracking.uri, None)[0]
     client = mlflow.MlflowClient(uri)
     parent = usable_run(client, state.parent_run_id) if state.tracking_uri == uri else None
@@ -53,8 +53,8 @@ def stored_spec(client: mlflow.MlflowClient, run_id: str) -> AblationSpec:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file: no progress bar
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            text = Path(client.download_artifacts(run_id, SPEC_ARTIFACT, tmp)).read_text()
+            text = Path(client.download_artifacts(run_id, AblationSpec.spec_artifact, tmp)).read_text()
     except (MlflowException, OSError) as e:
         raise ConfigError(f"run {run_id} in {client.tracking_uri} is not an ablation's parent run (no "
-                          f"{SPEC_ARTIFACT}: {' '.join(str(e).split())[:200]})") from None
-    return spec_from_dict(yaml.safe_load(text), f"{SPEC_ARTIFACT} of run {run_id}")
+                          f"{AblationSpec.spec_artifact}: {' '.join(str(e).split())[:200]})") from None
+    return spec_from_dict(AblationSpec, yaml.safe_load(text), f"{AblationSpec.spec_artifact} of run {run_id}")

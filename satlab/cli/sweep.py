@@ -7,7 +7,7 @@ import argparse
 import contextlib
 
 from satlab.config.errors import ConfigError
-from satlab.sweep.loader import load_sweep
+from satlab.studies.loader import load_sweep
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,9 +18,9 @@ def run(args: argparse.Namespace) -> int:
     spec = load_sweep(args.spec, args.overrides)
     if args.dashboard:
         return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port)
-    from satlab.sweep.driver import run_sweep
+    from satlab.studies.engine import run_study
 
-    result = run_sweep(spec, workers=args.workers, n_trials=args.n_trials, storage=args.storage)
+    result = run_study(spec, workers=args.workers, n_trials=args.n_trials, storage=args.storage)
     return 130 if result.interrupted else 0
 
 
@@ -30,7 +30,7 @@ def serve_dashboard(storage: str, host: str, port: int) -> int:
         from optuna_dashboard import run_server
     except ImportError:
         raise ConfigError("optuna-dashboard is not installed: pip install 'satlab[dashboard]'") from None
-    from satlab.sweep.study import open_storage, safe_url
+    from satlab.studies.storage import open_storage, safe_url
 
     open_storage(storage)  # a clear error for a bad URL or an unreachable server, before the server starts
     print(f"optuna-dashboard on {safe_url(storage)}: http://{host}:{port}  (Ctrl-C stops it)")

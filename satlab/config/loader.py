@@ -12,17 +12,15 @@ import os
 import re
 import typing
 from collections.abc import Mapping, Sequence
-from decimal import Decimal, InvalidOperation
 from operator import attrgetter
 from pathlib import Path
-from types import UnionType
 from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import ConfigError, did_you_mean, unknown_name
+from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import (
     MIX_SOURCES,
@@ -36,6 +34,7 @@ from satlab.config.schema import (
     ExperimentConfig,
 )
 from satlab.config.specs import read_mapping, short_path
+from satlab.config.structured import Layer, Range, build, range_problems
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
@@ -44,13 +43,10 @@ MAX_MIX_SHARE = 0.5
 RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 """A run name is one path component under ``train.out_dir``: letters, digits, ``.``, ``_`` and ``-``."""
 
-# A layer is (where it came from, its plain nested dict).
-Layer = tuple[str, Mapping[str, Any]]
-
 _TOKENS = 10**15  # a thousand times the largest budgets trained today
 # key -> (low, high, low excluded): the values a user could mean. Optional fields are skipped when None; NaN and
 # infinities are never in range.
-_RANGES: dict[str, tuple[float, float, bool]] = {
+_RANGES: dict[str, Range] = {
     "optim.lr": (0, 10, True), "optim.eps": (0, 1, True), "optim.weight_decay": (0, 10, False),
     "optim.warmup_fraction": (0, 0.999, False), "optim.warmup_tokens": (0, _TOKENS, False),
     "optim.min_lr_ratio": (0, 1, False), "optim.grad_clip": (0, 1e6, False),
@@ -210,13 +206,9 @@ def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Laye
 
 def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:
     """Merge the layers into the structured defaults, validate the result, raise if anything was wrong."""
-    merged = OmegaConf.structured(ExperimentConfig)
-    for source, data in layers:
-        _merge(merged, ExperimentConfig, data, "", source, problems)
-    try:
-        cfg = typing.cast(ExperimentConfig, OmegaConf.to_object(merged))
-    except OmegaConfBaseException as e:
-        raise ConfigError([*problems, f"{getattr(e, 'full_key', '') or 'config'}: {_first_line(e)}"]) from None
+    cfg = build(ExperimentConfig, layers, problems)
+    if cfg is None:
+        raise ConfigError(problems)
     try:
         cfg = dataclasses.replace(cfg, model=resolve_model_config(cfg.model))
     except ConfigError as e:
@@ -227,42 +219,13 @@ def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:
     return cfg
 
 
-def _merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: str, problems: list[str]) -> None:
-    """Assign ``data`` (for the section ``prefix`` of type ``cls``) into the structured ``root`` leaf by leaf, so
-    that OmegaConf converts and checks each value on its own and a bad one is reported and skipped."""
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        full_key = f"{prefix}{key}"
-        if key not in hints:
-            hint = did_you_mean(key, hints) or f"; valid: {', '.join(hints)}"
-            problems.append(f"{source}: unknown key '{full_key}'{hint}")
-            continue
-        expected = hints[key]
-        if dataclasses.is_dataclass(expected):
-            if value is None:
-                continue
-            if isinstance(value, Mapping):
-                _merge(root, typing.cast(type, expected), value, f"{full_key}.", source, problems)
-            else:
-                problems.append(f"{source}: '{full_key}' is a section ({', '.join(typing.get_type_hints(expected))})"
-                                f", got {value!r}")
-            continue
-        try:
-            OmegaConf.update(root, full_key, _exact_int(value) if _accepts_int(expected) else value, merge=False)
-        except OmegaConfBaseException as e:
-            problems.append(f"{source}: {full_key}: {_first_line(e)} (expected {_type_name(expected)})")
-
-
 def _value_problems(cfg: ExperimentConfig) -> list[str]:
     """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
     problems = []
     if not RUN_NAME.match(cfg.name) or cfg.name in (".", ".."):
         problems.append(f"name {cfg.name!r} is not a run name: it names the folder {cfg.train.out_dir}/<name>, so it "
                         "must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or '..')")
-    for key, (low, high, low_excluded) in _RANGES.items():
-        value = attrgetter(key)(cfg)
-        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
-            problems.append(f"{key} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], got {value!r}")
+    problems.extend(range_problems(cfg, _RANGES))
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
     for key, valid in _CHOICES.items():
@@ -319,30 +282,3 @@ def batch_problems(global_batch_tokens: int, micro_batch_size: int, seq_len: int
         f"train.global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size*seq_len*world_size"
         f" = {micro_batch_size}*{seq_len}*{world_size} = {unit}; nearest valid: {lower} or {lower + unit}"
     ]
-
-
-def _accepts_int(hint: Any) -> bool:
-    if typing.get_origin(hint) in (typing.Union, UnionType):
-        return int in typing.get_args(hint)
-    return hint is int
-
-
-def _exact_int(value: Any) -> Any:
-    """``1e6`` (a YAML float) or ``"1.5e6"`` as an int when it is a whole number; anything else unchanged, so
-    that OmegaConf reports it."""
-    if isinstance(value, bool) or not isinstance(value, float | str):
-        return value
-    try:
-        number = Decimal(value) if isinstance(value, str) else Decimal(repr(value))
-    except InvalidOperation:
-        return value
-    return int(number) if number.is_finite() and number == number.to_integral_value() else value
-
-
-def _type_name(hint: Any) -> str:
-    plain_class = isinstance(hint, type) and typing.get_origin(hint) is None
-    return hint.__name__ if plain_class else str(hint).replace("typing.", "")
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__

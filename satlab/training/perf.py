@@ -65,7 +65,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputCallback(L.Callback):
-    """Logs system/tokens_per_sec, system/tokens_per_sec_per_device, system/mfu, system/peak_mem_gb, system/data_wait_frac.
+    """Logs system/tokens_per_sec, system/tokens_per_sec_per_device, system/mfu, system/peak_mem_gb and
+    system/data_wait_frac.
 
     Rates are averaged over the optimizer steps since the last log, with the first ``warmup_steps`` steps (compile,
     allocator warm-up) left out; time spent in validation is not counted.

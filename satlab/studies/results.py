@@ -16,8 +16,8 @@ from pathlib import Path
 import mlflow
 from mlflow.entities import Run
 
-from satlab.ablate.runs import CELL_TAG, child_runs
-from satlab.ablate.spec import AblationSpec, Cell
+from satlab.studies.runs import CELL_TAG, child_runs
+from satlab.studies.spec import AblationSpec, Cell
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from optuna.exceptions import ExperimentalWarning
 from optuna.trial import TrialState
 from optuna.visualization.matplotlib import plot_optimization_history, plot_param_importances
 
-from satlab.sweep.spec import SweepSpec
+from satlab.studies.spec import SweepSpec
 
 
 def write_plots(study: optuna.Study, spec: SweepSpec, rows: list[dict[str, Any]],

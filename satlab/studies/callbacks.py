@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from satlab.evaluation.gates import METRIC_PREFIX, analyze_gates
-from satlab.sweep.spec import SaturationGuard
-from satlab.sweep.study import RUN_ID, SATURATION, TOKENS
+from satlab.studies.attrs import RUN_ID, SATURATION, TOKENS
+from satlab.studies.spec import SaturationGuard
 
 SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"
 
@@ -86,10 +86,8 @@ class TrialCallback(L.Callback):
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return  # the validations before and after fit() are not steps of the trial
         saturation = self._saturation(pl_module)
-        if saturation is not None:
+        if saturation is not None:  # the run's logged value is EvaluationCallback's, on the same windows
             self.last_metrics[SATURATION_METRIC] = saturation
-            if trainer.logger is not None:
-                trainer.logger.log_metrics({SATURATION_METRIC: saturation}, step=trainer.global_step)
         decision = self._decide(int(pl_module.tokens_seen), saturation) if trainer.is_global_zero else None
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is not None:

@@ -1,8 +1,7 @@
-"""``<out_dir>/state.json``: the ablation's parent run and, per cell, its status, run id, log and timing.
-
-Written by the driver only (atomically, under a lock, so parallel workers may update it), read by ``satlab report``
-to find the parent run. MLflow stays the record of what finished: a cell counts as done when its FINISHED child
-run exists, so a deleted state file loses nothing but timings and failure reasons.
+"""``<out_dir>/state.json``: the study's parent run and, per trial (a cell's key or ``t0007``), its status, run
+id, log and timing on this host. Written by the driver (atomically, under a lock, so its worker threads may update
+it), read by ``satlab report`` to find the parent run. The study and MLflow stay the record of what finished, so a
+deleted state file loses nothing but timings and failure reasons.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 STATE_FILE = "state.json"
 
 
-class AblationState:
+class StudyState:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()

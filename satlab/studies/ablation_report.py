@@ -22,8 +22,8 @@ from markdown_it import MarkdownIt
 from rich.console import Console
 from rich.table import Table
 
-from satlab.ablate.plots import loss_curves, metric_vs_axis, tile_images
-from satlab.ablate.results import (
+from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
+from satlab.studies.results import (
     RECALL_MEASURES,
     Column,
     GroupResult,
@@ -32,8 +32,8 @@ from satlab.ablate.results import (
     download_heatmap,
     measures_for,
 )
-from satlab.ablate.spec import AblationSpec, format_value
-from satlab.ablate.stats import Verdict, best_verdict, format_p, mean_std, ordering_verdict, welch_p
+from satlab.studies.spec import AblationSpec, format_value
+from satlab.studies.stats import Verdict, best_verdict, format_p, mean_std, ordering_verdict, welch_p
 
 ARCH_NAMES = {"transformer": "Transformer", "resformer": "ResFormer", "satformer": "SATFormer",
               "denseformer": "DenseFormer", "hyperconnections": "Hyper-Connections", "muddformer": "MUDDFormer"}

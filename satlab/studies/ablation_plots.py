@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import EngFormatter  # noqa: E402
 
-from satlab.ablate.results import GroupResult  # noqa: E402
+from satlab.studies.results import GroupResult  # noqa: E402
 
 
 def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Path, title: str,

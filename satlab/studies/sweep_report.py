@@ -1,7 +1,7 @@
 """The end-of-sweep report, written under ``<study dir>/report/`` and logged on the MLflow parent run:
 ``trials.csv`` and ``trials.md`` (one row per trial), ``best.yaml`` (and ``best-<arch>.yaml`` per architecture when
 ``model.arch`` is searched) as ready-to-run experiments (``satlab train experiment=<file>``), and the plots of
-:mod:`satlab.sweep.plots`. The same table and the best trials are printed with rich.
+:mod:`satlab.studies.sweep_plots`. The same table and the best trials are printed with rich.
 
 "Best" is the best completed trial whose gates are not saturated beyond the guard's threshold (any completed trial
 when none qualifies): a trial that reached a low loss with pinned gates is not the learning rate to recommend.
@@ -25,9 +25,9 @@ from rich.table import Table
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.specs import nest
-from satlab.sweep.plots import write_plots
-from satlab.sweep.spec import SweepSpec
-from satlab.sweep.study import REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
+from satlab.studies.attrs import REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
+from satlab.studies.spec import SweepSpec
+from satlab.studies.sweep_plots import write_plots
 
 STALE_REASON = "worker_lost"
 
@@ -98,7 +98,7 @@ def best_config_text(spec: SweepSpec, trial: FrozenTrial, name: str) -> str:
 def write_report(study: optuna.Study, spec: SweepSpec, base_arch: str, client: mlflow.MlflowClient | None = None,
                  parent_run_id: str | None = None, console: Console | None = None) -> dict[str, Path]:
     """Write the report files, log them on the parent run, print the summary; returns the files by name."""
-    out = spec.study_dir() / "report"
+    out = spec.out_path() / "report"
     out.mkdir(parents=True, exist_ok=True)
     rows = trial_rows(study, spec, base_arch)
     files = {"trials.csv": _write_csv(rows, out / "trials.csv"), "trials.md": _write_markdown(rows, out / "trials.md")}

@@ -1,0 +1,120 @@
+"""The one validator of dataclass-shaped input: experiment configs and study specs are both built by merging plain
+dict layers (files, then command-line items) into the structured defaults of a dataclass, one leaf at a time, so a
+bad key or value in one place does not hide the next: every problem is collected, prefixed with where it came from.
+
+A ``dict[str, ...]`` field is a mapping of dotted keys (``axes: {model.arch: [...]}``): layers merge into it key by
+key, nested mappings flattened down to what the field's ``metadata["leaf"]`` predicate accepts (default: every
+value that is not a mapping). A layer that sets such a field to null empties it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from operator import attrgetter
+from types import UnionType
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from satlab.config.errors import did_you_mean
+from satlab.config.specs import flatten_mapping
+
+T = TypeVar("T")
+Layer = tuple[str, Mapping[str, Any]]
+"""Where a layer came from (a file, an override), and its plain nested dict."""
+Range = tuple[float, float, bool]
+"""(low, high, whether low is excluded): the values of a numeric setting a user could mean."""
+
+
+def build(cls: type[T], layers: Sequence[Layer], problems: list[str]) -> T | None:
+    """``cls`` with the layers merged into its defaults; None (with the reason in ``problems``) when the merged
+    values cannot make one."""
+    merged = OmegaConf.structured(cls)
+    for source, data in layers:
+        merge(merged, cls, data, "", source, problems)
+    try:
+        return typing.cast(T, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as e:
+        problems.append(f"{getattr(e, 'full_key', '') or cls.__name__}: {first_line(e)}")
+        return None
+
+
+def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: str, problems: list[str]) -> None:
+    """Assign ``data`` (for the section ``prefix`` of type ``cls``) into the structured ``root`` leaf by leaf, so
+    that OmegaConf converts and checks each value on its own and a bad one is reported and skipped."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        full_key = f"{prefix}{key}"
+        if key not in hints:
+            hint = did_you_mean(key, hints) or f"; valid: {', '.join(hints)}"
+            problems.append(f"{source}: unknown key '{full_key}'{hint}")
+            continue
+        expected = hints[key]
+        if dataclasses.is_dataclass(expected):
+            if isinstance(value, Mapping):
+                merge(root, typing.cast(type, expected), value, f"{full_key}.", source, problems)
+            elif value is not None:
+                problems.append(f"{source}: '{full_key}' is a section ({', '.join(typing.get_type_hints(expected))})"
+                                f", got {value!r}")
+            continue
+        if typing.get_origin(expected) is dict:
+            if value is None:
+                OmegaConf.update(root, full_key, {}, merge=False)
+            elif isinstance(value, Mapping):
+                node = OmegaConf.select(root, full_key)
+                for name, item in flatten_mapping(value, fields[key].metadata.get("leaf")).items():
+                    try:
+                        node[name] = item  # item access: a dotted key stays one key
+                    except OmegaConfBaseException as e:
+                        problems.append(f"{source}: {full_key}.{name}: {first_line(e)} (expected "
+                                        f"{type_name(expected)})")
+            else:
+                problems.append(f"{source}: '{full_key}' must be a mapping of keys to values, got {value!r}")
+            continue
+        try:
+            OmegaConf.update(root, full_key, exact_int(value) if accepts_int(expected) else value, merge=False)
+        except OmegaConfBaseException as e:
+            problems.append(f"{source}: {full_key}: {first_line(e)} (expected {type_name(expected)})")
+
+
+def range_problems(obj: Any, ranges: Mapping[str, Range], prefix: str = "") -> list[str]:
+    """Every attribute of ``obj`` named in ``ranges`` that is outside its range (None is skipped: optional)."""
+    problems = []
+    for key, (low, high, low_excluded) in ranges.items():
+        value = attrgetter(key)(obj)
+        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
+            problems.append(f"{prefix}{key} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], "
+                            f"got {value!r}")
+    return problems
+
+
+def accepts_int(hint: Any) -> bool:
+    if typing.get_origin(hint) in (typing.Union, UnionType):
+        return int in typing.get_args(hint)
+    return hint is int
+
+
+def exact_int(value: Any) -> Any:
+    """``1e6`` (a YAML float) or ``"1.5e6"`` as an int when it is a whole number; anything else unchanged, so
+    that OmegaConf reports it."""
+    if isinstance(value, bool) or not isinstance(value, float | str):
+        return value
+    try:
+        number = Decimal(value) if isinstance(value, str) else Decimal(repr(value))
+    except InvalidOperation:
+        return value
+    return int(number) if number.is_finite() and number == number.to_integral_value() else value
+
+
+def type_name(hint: Any) -> str:
+    plain_class = isinstance(hint, type) and typing.get_origin(hint) is None
+    return hint.__name__ if plain_class else str(hint).replace("typing.", "")
+
+
+def first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -1,0 +1,138 @@
+"""One trial in its own process: ``SATLAB_STUDY_STORAGE=<url> python -m satlab.studies.child experiment=<file>``
+(under ``torchrun`` for a multi-GPU trial). The file is the trial's resolved experiment, the same one
+``satlab train experiment=<file>`` runs by hand; its tags name the study and the trial number.
+
+This trains exactly like ``satlab train`` (evaluation included), with :class:`~satlab.studies.callbacks.TrialCallback`
+reporting to the trial and pruning it, and writes what happened into the trial's user attributes
+(``objective_value`` or ``reason``). The exit code tells the driver how it ended (0 complete, 3 pruned, 4 failed
+with a recorded reason, 5 the driver died). A process of its own per trial means a crash, an out-of-memory kill or
+a leaked CUDA context ends one trial only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+
+import optuna
+import torch
+
+from satlab.config.loader import load_experiment
+from satlab.evaluation.callback import EvaluationCallback
+from satlab.studies.attrs import (
+    DRIVER_ENV,
+    EXIT_COMPLETE,
+    EXIT_FAILED,
+    EXIT_PRUNED,
+    EXIT_WORKER_LOST,
+    KIND,
+    PID,
+    REASON,
+    SPEC,
+    STORAGE_ENV,
+    VALUE,
+)
+from satlab.studies.callbacks import TrialCallback, TrialStopped
+from satlab.studies.loader import spec_from_dict
+from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
+from satlab.studies.spec import KINDS, SaturationGuard, SweepSpec
+from satlab.studies.storage import open_storage
+from satlab.training.run import train
+
+
+def watch_driver(pid: int, on_lost) -> None:
+    """Exit when the driver that launched this trial is gone (SIGKILL, a pre-empted host...): the trial would
+    otherwise train on, unreported. Polling the pid also covers the ranks under torchrun, whose parent is torchrun."""
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().split(")")[-1].split()[0] != "Z"
+        except ProcessLookupError:
+            return False
+        except (OSError, IndexError):
+            return True
+
+    def watch() -> None:
+        while alive():
+            time.sleep(1.0)
+        on_lost()
+        os._exit(EXIT_WORKER_LOST)
+
+    threading.Thread(target=watch, name="satlab-driver-watch", daemon=True).start()
+
+
+def is_oom(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, torch.OutOfMemoryError | MemoryError) or "out of memory" in text \
+        or "can't allocate memory" in text
+
+
+def run_trial(experiment: str) -> int:
+    cfg = load_experiment(experiment)
+    storage = open_storage(os.environ[STORAGE_ENV], create_tables=False)
+    name = cfg.tracking.tags[STUDY_TAG]
+    info = storage.get_study_user_attrs(storage.get_study_id_from_name(name))
+    spec = spec_from_dict(KINDS[info[KIND]], info[SPEC], f"the spec stored on study {name}")
+    search = isinstance(spec, SweepSpec)
+    pruner = None if search else optuna.pruners.NopPruner()
+    if search:
+        from satlab.studies.plans import make_pruner
+
+        pruner = make_pruner(spec)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler(),
+                              pruner=pruner)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, int(cfg.tracking.tags[TRIAL_TAG]))
+    trial = optuna.Trial(study, trial_id)
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
+
+    def record(reason: str) -> None:
+        if rank_zero:
+            trial.set_user_attr(REASON, reason[:500])
+
+    if os.environ.get(DRIVER_ENV):
+        watch_driver(int(os.environ[DRIVER_ENV]), lambda: record("worker_lost"))
+    if rank_zero:
+        trial.set_user_attr(PID, os.getpid())
+    metric = spec.objective.metric if search else "val/loss"
+    guard = spec.saturation if search else SaturationGuard(threshold=None)
+    callback = TrialCallback(trial if rank_zero else None, guard, metric)
+    try:
+        result = train(cfg, preset=f"{spec.kind}:{spec.name}", progress=False,
+                       callbacks=[EvaluationCallback(cfg), callback])  # gate metrics logged before a stop
+    except TrialStopped as stop:
+        print(f"trial {trial.number} stopped: {stop}", flush=True)
+        record(stop.reason)
+        return EXIT_PRUNED if stop.pruned else EXIT_FAILED
+    except Exception as error:
+        traceback.print_exc()
+        record("oom" if is_oom(error) else f"error: {type(error).__name__}: {error}")
+        return EXIT_FAILED
+    value = result.final_val_loss if metric == "val/loss" and result.final_val_loss is not None \
+        else callback.last_metrics.get(metric)
+    if value is None:
+        record(f"metric '{metric}' was never logged; logged: {', '.join(sorted(callback.last_metrics))}")
+        return EXIT_FAILED
+    if not math.isfinite(value):
+        record("nan")
+        return EXIT_PRUNED
+    if rank_zero:
+        trial.set_user_attr(VALUE, value)
+    return EXIT_COMPLETE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].startswith("experiment="):
+        print("usage: python -m satlab.studies.child experiment=<resolved trial file>", file=sys.stderr)
+        return 2
+    return run_trial(args[0].removeprefix("experiment="))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

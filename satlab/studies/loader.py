@@ -1,0 +1,165 @@
+"""Reading study specs: YAML through OmegaConf, the command line's ``key=value`` items, then the same structured
+validator as experiment configs (:mod:`satlab.config.structured`), so every problem is reported at once with "did
+you mean". The base experiment is then loaded with the fixed overrides and with every value a trial can get, so a
+bad key or value fails before the first trial runs rather than inside one.
+
+An item whose first part is a spec field sets the spec (``n_trials=4``, ``space.optim.lr.high=1e-2``,
+``axes.train.seed=[0,1]``); for an ablation any other item is a config override for every cell
+(``train.max_tokens=1e5``), for a sweep it is an error (write it as ``overrides.train.max_tokens=1e5``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from satlab.config.display import flatten
+from satlab.config.errors import ConfigError, did_you_mean
+from satlab.config.specs import flatten_mapping, read_spec, short_path, spec_names
+from satlab.config.structured import build
+from satlab.studies.spec import (
+    DEFAULT_SPACE,
+    PARAM_KEYS,
+    AblationSpec,
+    Param,
+    StudySpec,
+    SweepSpec,
+    default_specs_dir,
+    format_value,
+    is_param,
+)
+
+S = TypeVar("S", bound=StudySpec)
+
+
+def list_specs(kind: type[StudySpec], root: Path | None = None) -> list[str]:
+    return spec_names(root or default_specs_dir(kind), kind.suffix)
+
+
+def load_spec(kind: type[S], name_or_path: str | Path, items: Sequence[str] = ()) -> S:
+    """The validated spec of a name (``lr_tiny``, ``arch_tiny``) or YAML file, with command-line items, checked
+    against the base experiment."""
+    path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix)
+    spec = spec_from_dict(kind, apply_items(kind, data, items), source=short_path(path))
+    check_against_config(spec)
+    return spec
+
+
+def load_sweep(name_or_path: str | Path, items: Sequence[str] = ()) -> SweepSpec:
+    return load_spec(SweepSpec, name_or_path, items)
+
+
+def load_ablation(name_or_path: str | Path, items: Sequence[str] = ()) -> AblationSpec:
+    return load_spec(AblationSpec, name_or_path, items)
+
+
+def apply_items(kind: type[StudySpec], data: Mapping[str, Any], items: Sequence[str]) -> dict[str, Any]:
+    """``data`` with the command line's items merged in (mapping fields by dotted key)."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    out = {k: flatten_mapping(v, fields[k].metadata.get("leaf")) if _is_mapping_field(kind, k)
+           and isinstance(v, Mapping) else v for k, v in data.items()}
+    problems = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or "" in key.split("."):
+            problems.append(f"malformed item '{item}': expected key=value, e.g. n_trials=4, "
+                            "train.max_tokens=1e5 or axes.train.seed=[0,1]")
+            continue
+        try:
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            problems.append(f"malformed item '{item}': {' '.join(str(e).split())}")
+            continue
+        head, _, rest = key.partition(".")
+        if head not in fields and kind is AblationSpec:
+            head, rest = "overrides", key
+        if rest and _is_mapping_field(kind, head):
+            section = dict(out.get(head) or {})
+            name = next((n for n in sorted(section, key=len, reverse=True) if rest.startswith(f"{n}.")), None)
+            parent, _, leaf = rest.rpartition(".")
+            if name is not None and isinstance(section[name], Mapping):  # one key of a parameter
+                section[name] = {**section[name], rest[len(name) + 1:]: value}
+            elif parent and leaf in PARAM_KEYS and fields[head].metadata.get("leaf") is is_param:
+                section[parent] = {leaf: value}  # the first key of a new parameter
+            else:
+                section[rest] = value
+            out[head] = section
+        elif rest:
+            out[head] = _set(out.get(head), rest.split("."), value)
+        else:
+            out[head] = value
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = None) -> S:
+    """A structurally validated spec from a plain dict (a YAML file's, or :meth:`StudySpec.to_dict`'s)."""
+    source = source or kind.kind
+    problems: list[str] = []
+    if kind is SweepSpec and "space" not in data:
+        data = {**data, "space": DEFAULT_SPACE}
+    spec = build(kind, [(source, data)], problems)
+    if spec is None:
+        raise ConfigError(problems)
+    if isinstance(spec, SweepSpec):
+        space = {}
+        for name, entry in flatten_mapping(spec.space, is_param).items():
+            if not isinstance(entry, Mapping):
+                problems.append(f"{source}: space.{name}: expected a range (low/high[/log/step]) or choices, "
+                                f"got {entry!r}")
+                continue
+            layer = {"type": "categorical" if "choices" in entry else "float", **entry}
+            space[name] = build(Param, [(f"{source}: space.{name}", layer)], problems) or Param()
+        # a searched key replaces a fixed override of the same key
+        overrides = {k: v for k, v in spec.overrides.items() if k not in space}
+        enqueue = [flatten_mapping(p) if isinstance(p, Mapping) else p for p in spec.enqueue]
+        spec = dataclasses.replace(spec, space=space, overrides=overrides, enqueue=enqueue)
+    problems.extend(f"{source}: {p}" for p in spec.problems())
+    if problems:
+        raise ConfigError(problems)
+    return spec
+
+
+def check_against_config(spec: StudySpec) -> None:
+    """Load the base experiment with the fixed overrides, then with every value a trial can get (each searched
+    range's ends and choices, each axis value): unknown keys and bad values are reported at once."""
+    try:
+        cfg = spec.base_config()
+    except ConfigError as e:
+        raise ConfigError([f"{spec.kind} '{spec.name}' (base {spec.base} + overrides): {p}"
+                           for p in e.problems]) from None
+    known = flatten(cfg)
+    points = {k: p.extremes() for k, p in spec.space.items()} if isinstance(spec, SweepSpec) else spec.axes
+    problems = []
+    for key, values in points.items():
+        if isinstance(spec, SweepSpec) and key not in known:
+            problems.append(f"{spec.kind} '{spec.name}': space: unknown config key '{key}'{did_you_mean(key, known)}")
+            continue
+        for value in values:
+            override = f"{key}={format_value(value)}"
+            try:
+                spec.base_config([override])
+            except ConfigError as e:
+                problems.extend(f"{spec.kind} '{spec.name}', {override}: {p.removeprefix(f'override {override!r}: ')}"
+                                for p in e.problems)
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)))
+
+
+def _is_mapping_field(kind: type, name: str) -> bool:
+    hint = typing.get_type_hints(kind).get(name)
+    return typing.get_origin(hint) is dict
+
+
+def _set(node: Any, path: list[str], value: Any) -> Any:
+    node = dict(node) if isinstance(node, Mapping) else {}
+    node[path[0]] = value if len(path) == 1 else _set(node.get(path[0]), path[1:], value)
+    return node

@@ -1,0 +1,204 @@
+"""How each kind of study chooses its trials: a sweep samples them (TPE or random, with pruning), an ablation
+enumerates its grid (Optuna's GridSampler over the axes, seeds included). Everything else, the storage, the
+workers, the trial processes and the MLflow runs, is the same engine (:mod:`satlab.studies.engine`)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.exceptions import ExperimentalWarning
+from optuna.trial import FrozenTrial, TrialState
+
+from satlab.studies.attrs import IGNORED, SUPERSEDED
+from satlab.studies.runs import CELL_TAG, GROUP_TAG
+from satlab.studies.spec import AblationSpec, Cell, Param, StudySpec, SweepSpec, format_value
+
+CONSTRAINT = "gate_saturation"
+
+
+@dataclass
+class Point:
+    """What one trial runs: its key (a cell's, or ``t0007``), run name, run tags and whether it resumes."""
+
+    key: str
+    slug: str
+    tags: dict[str, str] = field(default_factory=dict)
+    resume: str = "never"
+
+
+def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
+    """Steps are tokens seen, so warm-up and Hyperband's resources are token counts. When ``model.arch`` is searched
+    the median pruner compares each trial with trials of its own architecture (Hyperband's brackets stay
+    study-wide)."""
+    p = spec.pruner
+    if p.name == "median":
+        median = optuna.pruners.MedianPruner(n_startup_trials=p.n_startup_trials, n_warmup_steps=p.warmup_tokens)
+        return SameArchitecturePruner(median) if "model.arch" in spec.space else median
+    if p.name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=p.min_tokens or 1, max_resource="auto",
+                                              reduction_factor=p.reduction_factor)
+    return optuna.pruners.NopPruner()
+
+
+class SameArchitecturePruner(optuna.pruners.BasePruner):
+    """``inner`` judging a trial against the trials of the same ``model.arch`` only: architectures differ in loss at
+    every token count, so a study-wide median would prune the weaker architecture's best learning rates."""
+
+    def __init__(self, inner: optuna.pruners.BasePruner):
+        self.inner = inner
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        return self.inner.prune(_SameArchitecture(study, trial.params.get("model.arch")), trial)
+
+
+class _SameArchitecture:
+    """A view of a study whose trials are those of one architecture (all a percentile pruner reads)."""
+
+    def __init__(self, study: optuna.Study, arch: Any):
+        self._study, self._arch = study, arch
+
+    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[FrozenTrial]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states)
+                if t.params.get("model.arch") == self._arch]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+
+class CellGrid(optuna.samplers.GridSampler):
+    """Optuna's GridSampler with its grid in the spec's cell order, seeds slowest. GridSampler gives trial n the
+    n-th grid point of a shuffled list; an interrupted ablation should leave whole replicates of the grid instead,
+    and there is no option for the order, so the list is set here (``_all_grids`` over ``_param_names``)."""
+
+    def __init__(self, spec: AblationSpec):
+        super().__init__({k: list(v) for k, v in spec.axes.items()}, seed=0)
+        seeds = [format_value(s) for s in spec.axes.get(spec.seed_key, [])]
+        cells = sorted(spec.cells(), key=lambda c: seeds.index(format_value(c.seed)) if seeds else 0)
+        self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in cells]
+
+
+class Plan:
+    """The kind-specific half of a study."""
+
+    spec: StudySpec
+
+    def study_name(self) -> str:
+        return self.spec.name
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        raise NotImplementedError
+
+    def pruner(self) -> optuna.pruners.BasePruner:
+        return optuna.pruners.NopPruner()
+
+    def direction(self) -> str:
+        return "minimize"
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
+        raise NotImplementedError
+
+    def next_action(self, study: optuna.Study, launched: int) -> str:
+        """``run`` a trial, ``wait`` for other workers' trials (one may die and need a retry), or ``done``."""
+        raise NotImplementedError
+
+
+class SearchPlan(Plan):
+    def __init__(self, spec: SweepSpec, base_arch: str, n_trials: int):
+        self.spec, self.base_arch, self.n_trials = spec, base_arch, n_trials
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        """TPE (multivariate, grouped for the per-architecture parameters, constant liar for parallel workers) or
+        random search. TPE treats a trial whose ``gate_saturation`` constraint is positive as infeasible."""
+        if self.spec.sampler.name == "random":
+            return optuna.samplers.RandomSampler(seed=self.spec.sampler.seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=self.spec.sampler.seed, multivariate=True, group=True,
+                                              n_startup_trials=self.spec.sampler.n_startup_trials, constant_liar=True)
+
+    def pruner(self) -> optuna.pruners.BasePruner:
+        return make_pruner(self.spec)
+
+    def direction(self) -> str:
+        return self.spec.objective.direction
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """``model.arch`` first, then the parameters that apply to that architecture."""
+        params: dict[str, Any] = {}
+        if "model.arch" in self.spec.space:
+            params["model.arch"] = suggest_one(trial, "model.arch", self.spec.space["model.arch"])
+        for name in self.spec.active_params(params.get("model.arch", self.base_arch)):
+            if name != "model.arch":
+                params[name] = suggest_one(trial, name, self.spec.space[name])
+        return params
+
+    def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
+        return Point(f"t{trial.number:04d}", f"t{trial.number:04d}")
+
+    def next_action(self, study: optuna.Study, launched: int) -> str:
+        return "run" if launched < self.n_trials else "done"
+
+    def record_constraint(self, trial: optuna.Trial, saturation: float | None) -> None:
+        """The saturation guard as an Optuna constraint: saturated fraction minus threshold, feasible when <= 0."""
+        guard = self.spec.saturation
+        if guard.threshold is not None and guard.constraint:
+            trial.set_constraint(CONSTRAINT, float(saturation or 0.0) - guard.threshold)
+
+
+class GridPlan(Plan):
+    def __init__(self, spec: AblationSpec):
+        self.spec = spec
+        self.cells = {c.key: c for c in spec.cells()}
+
+    def study_name(self) -> str:
+        return f"{self.spec.name}.{self.spec.fingerprint()}"  # another budget or setting is another study
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        return CellGrid(self.spec)
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        return {k: trial.suggest_categorical(k, v) for k, v in self.spec.axes.items()}
+
+    def cell(self, params: dict[str, Any]) -> Cell:
+        return self.cells[" ".join(f"{k}={format_value(params[k])}" for k in self.spec.axes)]
+
+    def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
+        cell = self.cell(params)
+        return Point(cell.key, cell.slug, {CELL_TAG: cell.key, GROUP_TAG: cell.group}, resume="auto")
+
+    def trials_by_cell(self, study: optuna.Study) -> dict[str, list[FrozenTrial]]:
+        """Each cell's trials, those that do not count (duplicates, records deleted) left out."""
+        out: dict[str, list[FrozenTrial]] = {key: [] for key in self.cells}
+        superseded = set(study.user_attrs.get(SUPERSEDED, []))
+        for trial in study.get_trials(deepcopy=False):
+            if trial.params and not trial.user_attrs.get(IGNORED) and trial.number not in superseded:
+                out[self.cell(trial.params).key].append(trial)
+        return out
+
+    def next_action(self, study: optuna.Study, launched: int) -> str:
+        trials = self.trials_by_cell(study)
+        states = {t.state for ts in trials.values() for t in ts}
+        if TrialState.WAITING in states or any(not ts for ts in trials.values()):
+            return "run"
+        return "wait" if TrialState.RUNNING in states else "done"
+
+    def is_duplicate(self, study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> bool:
+        """Two workers can be handed one cell at the same moment (GridSampler gives out a running cell once none
+        is left); the later one steps aside."""
+        key = self.cell(params).key
+        return any(t.number != trial.number and t.state in (TrialState.RUNNING, TrialState.COMPLETE)
+                   for t in self.trials_by_cell(study)[key])
+
+
+def suggest_one(trial: optuna.Trial, name: str, p: Param) -> Any:
+    if p.type == "categorical":
+        return trial.suggest_categorical(name, p.choices)
+    if p.type == "int":
+        return trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+    return trial.suggest_float(name, float(p.low), float(p.high), step=p.step, log=p.log)

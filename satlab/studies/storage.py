@@ -1,0 +1,88 @@
+"""Optuna storages: an RDB (a sqlite file on one host, PostgreSQL across hosts) with heartbeats, so a trial whose
+worker died is failed and retried; and the storage URL as it may be shown (password masked)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy
+from optuna.exceptions import ExperimentalWarning
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial
+
+from satlab.config.errors import ConfigError
+from satlab.studies.spec import TrialSettings
+
+
+def open_storage(url: str, settings: TrialSettings | None = None,
+                 stale_callback: Callable[[optuna.Study, FrozenTrial], None] | None = None,
+                 create_tables: bool = True) -> RDBStorage:
+    """An RDB storage (sqlite file, PostgreSQL, MySQL). With ``settings`` it records heartbeats, so a trial whose
+    worker died is failed after ``grace_seconds`` and handed to ``stale_callback`` (which retries it).
+
+    Journal storages are not accepted: Optuna implements heartbeats for RDB storages only, and without them a
+    killed worker's trial would stay RUNNING for ever.
+    """
+    if "://" not in url:
+        raise ConfigError(f"storage '{url}' is not a database URL; use sqlite:///<abs path>/optuna.db on one host or "
+                          "postgresql://user:password@host/db across hosts (journal files lack heartbeats)")
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 120}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    heartbeat: dict[str, Any] = {}
+    if settings is not None:
+        heartbeat = dict(heartbeat_interval=settings.heartbeat_seconds, grace_period=settings.grace_seconds,
+                         heartbeat_stale_trial_callback=stale_callback)
+    attempts = 3  # two processes creating the tables of one new database race: the loser tries again
+    for attempt in range(1, attempts + 1):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                storage = RDBStorage(url, engine_kwargs=engine_kwargs, skip_table_creation=not create_tables,
+                                     **heartbeat)
+            break
+        except ImportError as e:
+            raise ConfigError(f"storage '{safe_url(url)}' needs a database driver that is not installed ({e}); "
+                              "for PostgreSQL: pip install 'satlab[postgres]' (psycopg 3)") from None
+        except Exception as e:  # SQLAlchemy's OperationalError and friends: unreachable server, bad credentials
+            if attempt == attempts:
+                raise ConfigError(f"cannot open the storage '{safe_url(url)}': {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]}") from None
+            time.sleep(attempt)
+    if url.startswith("sqlite"):
+        serialize_sqlite(storage.engine)
+    return storage
+
+
+def serialize_sqlite(engine: sqlalchemy.engine.Engine) -> None:
+    """SQLite ignores ``SELECT ... FOR UPDATE``, so two workers could both pop the same WAITING trial (an enqueued
+    point or a retry) and run it twice. Beginning every transaction with ``BEGIN IMMEDIATE`` (SQLAlchemy's recipe
+    for pysqlite) takes the write lock up front and makes Optuna's read-check-write atomic across threads and
+    processes; transactions are short, so waiting for the lock costs little."""
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def no_implicit_begin(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def begin_immediate(connection: sqlalchemy.engine.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners existed must not be reused
+
+
+def safe_url(url: str) -> str:
+    """The URL with any password masked (for logs, MLflow params and messages)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not an SQLAlchemy URL: nothing to hide that we could parse
+        return url

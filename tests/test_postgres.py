@@ -1,0 +1,248 @@
+"""Studies and MLflow on a real PostgreSQL server, as a team runs them across hosts: a throwaway server (initdb +
+pg_ctl on a free port in a temp folder, as the postgres user when the tests run as root), then (a) a micro ablation
+run by two driver processes from two working directories, as two hosts would, (b) the same with one of them
+SIGKILLed mid-cell, (c) a sweep shared by two drivers and (d) a training run logging to an MLflow server whose
+backend store is that PostgreSQL. Every process is started on a free port and stopped by PID."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlflow
+import optuna
+import pytest
+import yaml
+
+from satlab.config.errors import ConfigError
+from satlab.studies.attrs import LOG, PID, REASON, RETRY_OF, WORKER
+from satlab.studies.loader import load_ablation
+from satlab.studies.plans import GridPlan
+from satlab.studies.runs import CELL_TAG, PARENT_TAG
+from satlab.studies.storage import open_storage
+
+MICRO = {
+    "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
+    "data.source": "kjv", "data.tokenizer.kind": "byte", "data.seq_len": 64,
+    "train.micro_batch_size": 4, "train.global_batch_tokens": 256, "train.max_tokens": 2048,
+    "train.val_every_tokens": 1024, "train.val_tokens": 256, "train.accelerator": "cpu", "eval.at_end": False,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_bin(name: str) -> str | None:
+    return shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))[-1:]), None)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """``postgresql://satlab@127.0.0.1:<port>/<db>`` for any db name (created on first use), on a fresh server."""
+    initdb, pg_ctl = pg_bin("initdb"), pg_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (Debian: apt-get install postgresql)")
+    root = Path(tempfile.mkdtemp(prefix="satlab-pg-"))  # not under pytest's folder: the postgres user cannot enter it
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+        user = pwd.getpwnam("postgres")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    subprocess.run([*as_user, initdb, "-D", str(root / "data"), "-U", "satlab", "--auth=trust"], check=True,
+                   capture_output=True)
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=200"
+    subprocess.run([*as_user, pg_ctl, "-D", str(root / "data"), "-o", options, "-l", str(root / "log"), "-w",
+                    "start"], check=True, capture_output=True)
+    pid = int((root / "data" / "postmaster.pid").read_text().split()[0])
+    import psycopg
+
+    made: set[str] = set()
+
+    def url(db: str) -> str:
+        if db not in made:
+            with psycopg.connect(host="127.0.0.1", port=port, user="satlab", dbname="postgres",
+                                 autocommit=True) as connection:
+                connection.execute(f"CREATE DATABASE {db}")
+            made.add(db)
+        return f"postgresql://satlab@127.0.0.1:{port}/{db}"
+
+    yield url
+    os.kill(pid, signal.SIGQUIT)  # immediate shutdown of the postmaster and its backends
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def write_spec(folder: Path, name: str, tracking: str) -> Path:
+    """A 2 x 2 grid; run folders, data caches and reports relative to each driver's working directory (a host's
+    disk), the MLflow store shared. One thread per cell so every host computes the same numbers."""
+    spec = {"name": name, "base": "default", "axes": {"model.arch": ["transformer", "satformer"], "train.seed": [0, 1]},
+            "overrides": {**MICRO, "tracking.uri": tracking}, "trial": {"heartbeat_seconds": 1, "grace_seconds": 4,
+                                                                         "threads": 1}}
+    path = folder / f"{name}.yml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def make_store(folder: Path) -> str:
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    mlflow.MlflowClient(uri).search_experiments()  # created once, before the drivers race to create it
+    return uri
+
+
+def start(command: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "satlab.cli.main", *command], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def hosts(root: Path, count: int = 2) -> list[Path]:
+    folders = [root / f"host{i}" for i in range(count)]
+    for folder in folders:
+        folder.mkdir()
+    return folders
+
+
+def cell_losses(uri: str, spec_path: Path, only_runs: bool = True) -> dict[str, float]:
+    """Cell key -> final val/loss, checking there is one FINISHED run per cell (and, with ``only_runs``, no other
+    run: no cell was started twice), all under one parent run."""
+    spec = load_ablation(spec_path)
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{CELL_TAG}` != ''")
+    assert len({r.data.tags[PARENT_TAG] for r in runs}) == 1  # one parent run across the hosts
+    assert all(r.info.status == "FINISHED" for r in runs) or not only_runs
+    runs = [r for r in runs if r.info.status == "FINISHED"]
+    keys = [r.data.tags[CELL_TAG] for r in runs]
+    assert sorted(keys) == sorted(c.key for c in spec.cells()), keys
+    return {r.data.tags[CELL_TAG]: r.data.metrics["val/loss"] for r in runs}
+
+
+def launched_trials(url: str, spec_path: Path) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    spec = load_ablation(spec_path)
+    plan = GridPlan(spec)
+    study = optuna.load_study(study_name=plan.study_name(), storage=open_storage(url, create_tables=False))
+    return {key: [t for t in trials if t.user_attrs.get(LOG)] for key, trials in plan.trials_by_cell(study).items()}
+
+
+def test_two_hosts_share_an_ablation_grid_and_match_one_host(postgres, tmp_path, capsys):
+    store = make_store(tmp_path)
+    shared = write_spec(tmp_path, "shared", store)
+    started = time.monotonic()
+    drivers = [start(["ablate", str(shared), "--storage", postgres("grid_a"), "--no-report"], cwd)
+               for cwd in hosts(tmp_path)]
+    for driver in drivers:
+        finish(driver)
+    two_hosts = time.monotonic() - started
+    trials = launched_trials(postgres("grid_a"), shared)
+    assert all(len(t) == 1 and t[0].state.name == "COMPLETE" for t in trials.values()), trials  # each ran once
+    assert len({t[0].user_attrs[WORKER] for t in trials.values()}) == 2  # both hosts ran cells
+
+    alone = write_spec(tmp_path, "alone", store)
+    started = time.monotonic()
+    finish(start(["ablate", str(alone), "--no-report"], tmp_path))
+    one_host = time.monotonic() - started
+    reference = cell_losses(store, alone)
+    assert cell_losses(store, shared) == pytest.approx(reference, rel=1e-6)
+    with capsys.disabled():
+        print(f"\nmicro ablation, 4 cells: two drivers on PostgreSQL {two_hosts:.0f} s, one driver on sqlite "
+              f"{one_host:.0f} s")
+
+
+def test_a_host_killed_mid_cell_leaves_its_cell_to_the_other(postgres, tmp_path):
+    store = make_store(tmp_path)
+    spec = write_spec(tmp_path, "killed", store)
+    url = postgres("grid_b")
+    drivers = [start(["ablate", str(spec), "--storage", url, "--no-report"], cwd) for cwd in hosts(tmp_path)]
+    victim, survivor = drivers
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # a cell of the first driver training
+        try:
+            trials = [t for ts in launched_trials(url, spec).values() for t in ts]
+        except (ConfigError, KeyError):  # the drivers have not made the tables or the study yet
+            trials = []
+        if any(t.state.name == "RUNNING" and t.user_attrs.get(PID)
+               and t.user_attrs.get(WORKER, "").endswith(f":{victim.pid}") for t in trials):
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail("no cell of the first driver started")
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    finish(survivor)
+    cell_losses(store, spec, only_runs=False)  # every cell finished once; the killed attempt's run is FAILED
+    trials = [t for ts in launched_trials(url, spec).values() for t in ts]
+    lost = [t for t in trials if t.state.name == "FAIL"]
+    assert [t.user_attrs.get(REASON) for t in lost] == ["worker_lost"]
+    retry = [t for t in trials if t.user_attrs.get(RETRY_OF) == lost[0].number]
+    assert len(retry) == 1 and retry[0].state.name == "COMPLETE" and retry[0].params == lost[0].params
+
+
+def test_two_drivers_share_a_sweep(postgres, tmp_path):
+    store = make_store(tmp_path)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "pg-sweep", "base": "default",
+        "overrides": {**MICRO, "model.arch": "transformer", "tracking.uri": store},
+        "space": {"optim.lr": {"low": 1e-3, "high": 1e-2, "log": True}}, "n_trials": 2, "pruner": {"name": "none"},
+        "trial": {"threads": 1}}))
+    url = postgres("sweep")
+    for driver in [start(["sweep", str(path), "--storage", url], cwd) for cwd in hosts(tmp_path)]:
+        finish(driver)
+    study = optuna.load_study(study_name="pg-sweep", storage=open_storage(url, create_tables=False))
+    assert [t.number for t in study.trials] == [0, 1, 2, 3]
+    assert {t.state.name for t in study.trials} == {"COMPLETE"}
+    assert len({t.user_attrs[WORKER] for t in study.trials}) == 2
+    parent = study.user_attrs["mlflow_parent_run_id"]
+    runs = mlflow.MlflowClient(store).search_runs(
+        [mlflow.MlflowClient(store).get_run(parent).info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")
+    assert sorted(int(r.data.tags["optuna.trial_number"]) for r in runs) == [0, 1, 2, 3]
+
+
+def test_a_run_logs_to_an_mlflow_server_backed_by_postgres(postgres, tmp_path):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres("mlflow"),
+                               "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                               "--port", str(port), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                mlflow.MlflowClient(f"http://127.0.0.1:{port}").search_experiments()
+                break
+            except Exception:
+                time.sleep(1)
+        overrides = [f"{k}={v}" for k, v in MICRO.items()]
+        proc = subprocess.run([sys.executable, "-m", "satlab.cli.main", "train", "experiment=default", "--no-progress",
+                               "name=pg-run", *overrides, f"train.out_dir={tmp_path / 'runs'}",
+                               f"tracking.uri=http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        client = mlflow.MlflowClient(f"http://127.0.0.1:{port}")
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        (run,) = client.search_runs(experiments, "attributes.run_name = 'pg-run'")
+        assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "val/loss")) > 1
+        assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
