@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import did_you_mean
+from satlab.config.errors import did_you_mean, unknown_name
 from satlab.config.specs import flatten_mapping
 
 T = TypeVar("T")
@@ -80,6 +80,21 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
             OmegaConf.update(root, full_key, exact_int(value) if accepts_int(expected) else value, merge=False)
         except OmegaConfBaseException as e:
             problems.append(f"{source}: {full_key}: {first_line(e)} (expected {type_name(expected)})")
+
+
+def field_problems(obj: Any, prefix: str = "") -> list[str]:
+    """The values of ``obj`` (and of its dataclass sections) outside what their fields declare: ``metadata["range"]``
+    (a :data:`Range`) or ``metadata["choices"]``."""
+    problems = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems.extend(field_problems(value, f"{key}."))
+        elif "range" in f.metadata:
+            problems.extend(range_problems(obj, {f.name: f.metadata["range"]}, prefix))
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(unknown_name(f.metadata.get("label", key), value, f.metadata["choices"]))
+    return problems
 
 
 def range_problems(obj: Any, ranges: Mapping[str, Range], prefix: str = "") -> list[str]:

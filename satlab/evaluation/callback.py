@@ -23,6 +23,7 @@ class EvaluationCallback(L.Callback):
         self.cfg = cfg
         self._gate_batch: torch.Tensor | None = None
         self.last_results: dict[str, float] = {}
+        self.last_gate_scalars: dict[str, float] = {}
 
     def _client(self, trainer):
         logger = trainer.logger
@@ -40,6 +41,7 @@ class EvaluationCallback(L.Callback):
     def _gates(self, trainer, pl_module, artifacts: bool) -> None:
         with torch.compiler.set_stance("force_eager"):
             report = analyze_gates(pl_module.model, self._batch(trainer, pl_module), trainer.datamodule.tokenizer)
+        self.last_gate_scalars = report.scalars() if report is not None else {}  # every rank: a sweep's guard
         client, run_id = self._client(trainer)
         if not trainer.is_global_zero or client is None:
             return

@@ -17,7 +17,8 @@ import optuna
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from satlab.evaluation.gates import METRIC_PREFIX, analyze_gates
+from satlab.evaluation.callback import EvaluationCallback
+from satlab.evaluation.gates import METRIC_PREFIX
 from satlab.studies.attrs import RUN_ID, SATURATION, TOKENS
 from satlab.studies.spec import SaturationGuard
 
@@ -42,30 +43,18 @@ class TrialCallback(L.Callback):
     ``trial`` is None on ranks other than 0.
     """
 
-    def __init__(self, trial: optuna.Trial | None, guard: SaturationGuard, metric: str = "val/loss"):
-        self.trial = trial
-        self.guard = guard
-        self.metric = metric
+    def __init__(self, trial: optuna.Trial | None, guard: SaturationGuard, gates: EvaluationCallback,
+                 metric: str = "val/loss"):
+        self.trial, self.guard, self.gates, self.metric = trial, guard, gates, metric
         self.last_metrics: dict[str, float] = {}
         self.saturation_history: list[float] = []
         self._streak = 0
-        self._windows: torch.Tensor | None = None
-        self._has_gates = True
         self._run_recorded = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.trial is not None and not self._run_recorded and trainer.logger is not None:
             self.trial.set_user_attr(RUN_ID, trainer.logger.run_id)
             self._run_recorded = True
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Fix the validation windows the gate analysis runs on: the first ``guard.windows`` of the validation set."""
-        rows: list[torch.Tensor] = []
-        for idx, _ in trainer.datamodule.val_dataloader():
-            rows.extend(idx)
-            if len(rows) >= self.guard.windows:
-                break
-        self._windows = torch.stack(rows[: self.guard.windows]) if rows else None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
@@ -85,22 +74,11 @@ class TrialCallback(L.Callback):
                                   if isinstance(v, torch.Tensor) and v.numel() == 1})
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return  # the validations before and after fit() are not steps of the trial
-        saturation = self._saturation(pl_module)
-        if saturation is not None:  # the run's logged value is EvaluationCallback's, on the same windows
-            self.last_metrics[SATURATION_METRIC] = saturation
+        saturation = self.gates.last_gate_scalars.get(SATURATION_METRIC)  # this validation's, on fixed windows
         decision = self._decide(int(pl_module.tokens_seen), saturation) if trainer.is_global_zero else None
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is not None:
             raise TrialStopped(*decision)
-
-    def _saturation(self, pl_module: L.LightningModule) -> float | None:
-        if not self._has_gates or self._windows is None:
-            return None
-        report = analyze_gates(pl_module.model, self._windows)
-        if report is None:
-            self._has_gates = False
-            return None
-        return report.scalars()[SATURATION_METRIC]
 
     def _decide(self, tokens: int, saturation: float | None) -> tuple[str, bool, str] | None:
         """(reason, pruned, detail) when the trial should stop now, else None. Rank 0 only."""

@@ -41,6 +41,7 @@ from satlab.studies.loader import spec_from_dict
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
 from satlab.studies.spec import KINDS, SaturationGuard, SweepSpec
 from satlab.studies.storage import open_storage
+from satlab.training.launch import pid_alive
 from satlab.training.run import train
 
 
@@ -48,18 +49,8 @@ def watch_driver(pid: int, on_lost) -> None:
     """Exit when the driver that launched this trial is gone (SIGKILL, a pre-empted host...): the trial would
     otherwise train on, unreported. Polling the pid also covers the ranks under torchrun, whose parent is torchrun."""
 
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-            with open(f"/proc/{pid}/stat") as stat:
-                return stat.read().split(")")[-1].split()[0] != "Z"
-        except ProcessLookupError:
-            return False
-        except (OSError, IndexError):
-            return True
-
     def watch() -> None:
-        while alive():
+        while pid_alive(pid):
             time.sleep(1.0)
         on_lost()
         os._exit(EXIT_WORKER_LOST)
@@ -101,10 +92,10 @@ def run_trial(experiment: str) -> int:
         trial.set_user_attr(PID, os.getpid())
     metric = spec.objective.metric if search else "val/loss"
     guard = spec.saturation if search else SaturationGuard(threshold=None)
-    callback = TrialCallback(trial if rank_zero else None, guard, metric)
+    evaluation = EvaluationCallback(cfg)  # runs first: its gate statistics are logged, and guard the trial
+    callback = TrialCallback(trial if rank_zero else None, guard, evaluation, metric)
     try:
-        result = train(cfg, preset=f"{spec.kind}:{spec.name}", progress=False,
-                       callbacks=[EvaluationCallback(cfg), callback])  # gate metrics logged before a stop
+        result = train(cfg, preset=f"{spec.kind}:{spec.name}", progress=False, callbacks=[evaluation, callback])
     except TrialStopped as stop:
         print(f"trial {trial.number} stopped: {stop}", flush=True)
         record(stop.reason)

@@ -56,7 +56,7 @@ from satlab.studies.runs import (
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.storage import open_storage, safe_url
-from satlab.training.launch import ProcessGroup, describe_exit, worker_env
+from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
 from satlab.training.tracking import ensure_reachable, open_store, resolve_tracking
 
 
@@ -197,16 +197,6 @@ def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
                 continue
             if failed:
                 retry(study, study._storage.get_trial(trial._trial_id))
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def requeue_unfinished(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,

@@ -14,7 +14,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from satlab.studies.attrs import IGNORED, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
-from satlab.studies.spec import AblationSpec, Cell, Param, StudySpec, SweepSpec, format_value
+from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value
 
 CONSTRAINT = "gate_saturation"
 
@@ -80,35 +80,9 @@ class CellGrid(optuna.samplers.GridSampler):
         self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in cells]
 
 
-class Plan:
-    """The kind-specific half of a study."""
+class SearchPlan:
+    """A sweep: trials sampled, ``n_trials`` of them per invocation."""
 
-    spec: StudySpec
-
-    def study_name(self) -> str:
-        return self.spec.name
-
-    def sampler(self) -> optuna.samplers.BaseSampler:
-        raise NotImplementedError
-
-    def pruner(self) -> optuna.pruners.BasePruner:
-        return optuna.pruners.NopPruner()
-
-    def direction(self) -> str:
-        return "minimize"
-
-    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
-        raise NotImplementedError
-
-    def next_action(self, study: optuna.Study, launched: int) -> str:
-        """``run`` a trial, ``wait`` for other workers' trials (one may die and need a retry), or ``done``."""
-        raise NotImplementedError
-
-
-class SearchPlan(Plan):
     def __init__(self, spec: SweepSpec, base_arch: str, n_trials: int):
         self.spec, self.base_arch, self.n_trials = spec, base_arch, n_trials
 
@@ -141,7 +115,11 @@ class SearchPlan(Plan):
     def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
         return Point(f"t{trial.number:04d}", f"t{trial.number:04d}")
 
+    def study_name(self) -> str:
+        return self.spec.name
+
     def next_action(self, study: optuna.Study, launched: int) -> str:
+        """``run`` a trial, ``wait`` for other workers' trials, or ``done``."""
         return "run" if launched < self.n_trials else "done"
 
     def record_constraint(self, trial: optuna.Trial, saturation: float | None) -> None:
@@ -151,7 +129,10 @@ class SearchPlan(Plan):
             trial.set_constraint(CONSTRAINT, float(saturation or 0.0) - guard.threshold)
 
 
-class GridPlan(Plan):
+class GridPlan:
+    """An ablation: the grid's cells, each once; a worker with none left waits while others train (one may die
+    and need a retry)."""
+
     def __init__(self, spec: AblationSpec):
         self.spec = spec
         self.cells = {c.key: c for c in spec.cells()}
@@ -161,6 +142,12 @@ class GridPlan(Plan):
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         return CellGrid(self.spec)
+
+    def pruner(self) -> optuna.pruners.BasePruner:
+        return optuna.pruners.NopPruner()
+
+    def direction(self) -> str:
+        return "minimize"
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         return {k: trial.suggest_categorical(k, v) for k, v in self.spec.axes.items()}
@@ -202,3 +189,6 @@ def suggest_one(trial: optuna.Trial, name: str, p: Param) -> Any:
     if p.type == "int":
         return trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
     return trial.suggest_float(name, float(p.low), float(p.high), step=p.step, log=p.log)
+
+
+Plan = SearchPlan | GridPlan

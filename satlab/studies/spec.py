@@ -1,42 +1,8 @@
 """Study specs: what a sweep searches (``sweeps/*.yaml``) and what an ablation's grid holds
-(``experiments/ablations/*.yml``). Both start every trial from a base experiment with fixed overrides, run it as a
-child ``satlab train`` and keep an MLflow parent run; they differ in how trials are chosen.
-
-A sweep (every section optional but ``name``, which defaults to the file name)::
-
-    base: default                        # experiment preset or YAML path the trials start from
-    overrides: {model.d_model: 64}       # fixed config overrides for every trial (dotted or nested keys)
-    space:                               # searched config keys (default: optim.lr log-uniform in [1e-4, 1e-2])
-      optim.lr: {low: 1e-4, high: 3e-1, log: true}
-      model.arch: {choices: [transformer, satformer]}
-    objective: {metric: val/loss, direction: minimize}
-    n_trials: 12                         # trials per `satlab sweep` invocation (shared by its --workers)
-    sampler: {name: tpe, seed: 0, n_startup_trials: 5}
-    pruner: {name: median, warmup_tokens: 0, n_startup_trials: 3}
-    saturation: {threshold: 0.5, patience: 2, windows: 8, constraint: true}
-    trial: {timeout_minutes: null, heartbeat_seconds: 10, grace_seconds: 60, max_retry: 2, threads: null}
-    enqueue: [{optim.lr: 3e-3, model.arch: satformer}]   # points tried first, once per study
-    storage: null                        # default sqlite:///<out_dir>/optuna.db
-    experiment: null                     # MLflow experiment, default sweep-<name>
-    out_dir: null                        # default sweeps/studies/<name>
-
-Parameters under ``model.<architecture>.`` are only sampled for trials of that architecture. An ablation::
-
-    base: tiny/satformer
-    overrides: {train.max_tokens: 3e5}
-    axes:                                # config key -> values; the grid is their product, first axis slowest
-      model.satformer.gate_granularity: [static_layer, token, token_head]
-      train.seed: [0, 1, 2]
-    seed_key: train.seed                 # replicates: cells that differ only here form a group (mean ± std)
-    baseline: {model.satformer.gate_granularity: token_head}  # the group p-values compare against (default:
-                                                              # the first value of every axis)
-    timeout_minutes: null                # wall-clock limit per cell
-    trial: {heartbeat_seconds: 10, grace_seconds: 60, max_retry: 2, threads: null}
-    storage: null                        # default sqlite:///<out_dir>/optuna.db; postgresql://... across hosts
-    experiment: null                     # default ablation-<name>
-    out_dir: null                        # default reports/ablations/<name>
-
-The ``.yml`` suffix keeps ablations out of the experiment presets (every ``*.yaml`` under ``experiments/`` is one).
+(``experiments/ablations/*.yml``; the ``.yml`` suffix keeps them out of the experiment presets). Both start every
+trial from a base experiment with fixed overrides; they differ in how trials are chosen. The file formats, every
+key with its default, are in the README ("Sweeps" and "Reproducing the paper, and ablations"). Ranges and choices
+are declared on the fields (``metadata``) and checked by :func:`satlab.config.structured.field_problems`.
 """
 
 from __future__ import annotations
@@ -60,12 +26,16 @@ from satlab.config.errors import unknown_name
 from satlab.config.loader import default_experiments_dir, load_experiment
 from satlab.config.model import ARCHITECTURE_NAMES
 from satlab.config.schema import ExperimentConfig
-from satlab.config.structured import Range, range_problems
+from satlab.config.structured import field_problems
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _range(low: float, high: float, low_excluded: bool = False) -> dict[str, Any]:
+    return {"range": (low, high, low_excluded)}
 
 
 def format_value(value: Any) -> str:
@@ -93,7 +63,7 @@ def is_param(value: Any) -> bool:
 class Param:
     """One searched config key: a float or int range (``log`` for log-uniform, optional ``step``) or choices."""
 
-    type: str = "float"
+    type: str = field(default="float", metadata={"choices": ("float", "int", "categorical")})
     low: float | None = None
     high: float | None = None
     log: bool = False
@@ -104,23 +74,21 @@ class Param:
         """The values that bound what a trial can get: both ends of a range, or every choice."""
         return list(self.choices or []) if self.type == "categorical" else [self.low, self.high]
 
-    def problems(self, where: str) -> list[str]:
-        if self.type not in ("float", "int", "categorical"):
-            return [unknown_name(f"{where}.type", self.type, ("float", "int", "categorical"))]
+    def problems(self) -> list[str]:
         if self.type == "categorical":
             if not isinstance(self.choices, list) or not self.choices:
-                return [f"{where}: 'choices' must be a non-empty list"]
-            return [f"{where}: choices must be scalars (numbers, strings, booleans or null)"] \
-                if any(isinstance(c, dict | list) for c in self.choices) else []
+                return ["'choices' must be a non-empty list"]
+            scalars = not any(isinstance(c, dict | list) for c in self.choices)
+            return [] if scalars else ["choices must be scalars (numbers, strings, booleans or null)"]
         if self.low is None or self.high is None:
-            return [f"{where}: a {self.type} range needs numeric 'low' and 'high', got {self.low!r}, {self.high!r}"]
+            return [f"a {self.type} range needs numeric 'low' and 'high', got {self.low!r}, {self.high!r}"]
         checks = [(self.low < self.high, f"low must be < high, got low={self.low!r}, high={self.high!r}"),
                   (not self.log or self.low > 0, f"a log range needs low > 0, got {self.low!r}"),
                   (self.type != "int" or all(float(v).is_integer() for v in (self.low, self.high)),
                    f"an int range needs whole low and high, got {self.low!r}, {self.high!r}"),
                   (self.step is None or (self.step > 0 and not self.log),
                    "step must be > 0 and cannot be combined with log")]
-        return [f"{where}: {message}" for ok, message in checks if not ok][:1]
+        return [message for ok, message in checks if not ok][:1]
 
 
 @dataclass
@@ -128,14 +96,14 @@ class Objective:
     """The metric a trial returns (its final value, e.g. final ``val/loss``) and which way is better."""
 
     metric: str = "val/loss"
-    direction: str = "minimize"
+    direction: str = field(default="minimize", metadata={"choices": ("minimize", "maximize")})
 
 
 @dataclass
 class SamplerSpec:
-    name: str = "tpe"
+    name: str = field(default="tpe", metadata={"choices": ("tpe", "random"), "label": "sampler"})
     seed: int | None = 0
-    n_startup_trials: int = 5
+    n_startup_trials: int = field(default=5, metadata=_range(0, 10**6))
 
 
 @dataclass
@@ -145,11 +113,11 @@ class PrunerSpec:
     ``hyperband``: successive halving from ``min_tokens`` (default: the base config's ``train.val_every_tokens``);
     ``none``. Steps are tokens seen: trials compare at equal token counts."""
 
-    name: str = "median"
-    warmup_tokens: int = 0
-    n_startup_trials: int = 3
-    min_tokens: int | None = None
-    reduction_factor: int = 3
+    name: str = field(default="median", metadata={"choices": ("median", "hyperband", "none"), "label": "pruner"})
+    warmup_tokens: int = field(default=0, metadata=_range(0, 10**15))
+    n_startup_trials: int = field(default=3, metadata=_range(0, 10**6))
+    min_tokens: int | None = field(default=None, metadata=_range(1, 10**15))
+    reduction_factor: int = field(default=3, metadata=_range(2, 100))
 
 
 @dataclass
@@ -158,30 +126,22 @@ class SaturationGuard:
     ``threshold`` for ``patience`` validations in a row; ``constraint`` also tells the sampler about it.
     ``threshold: null`` turns the guard off."""
 
-    threshold: float | None = 0.5
-    patience: int = 2
-    windows: int = 8
+    threshold: float | None = field(default=0.5, metadata=_range(0, 1))
+    patience: int = field(default=2, metadata=_range(1, 10**6))
+    windows: int = field(default=8, metadata=_range(1, 10**5))
     constraint: bool = True
 
 
 @dataclass
 class TrialSettings:
-    """How each trial runs: heartbeats (a trial whose worker stops beating for ``grace_seconds`` is failed and
-    retried up to ``max_retry`` times) and CPU threads (default: cores / workers)."""
+    """How each trial runs: heartbeats (a trial whose driver stops beating for ``grace_seconds`` is failed and
+    retried up to ``max_retry`` times), CPU threads (default: cores / workers) and, for sweeps, a time limit."""
 
-    heartbeat_seconds: int = 10
-    grace_seconds: int = 60
-    max_retry: int = 2
-    threads: int | None = None
-
-
-@dataclass
-class SweepTrialSettings(TrialSettings):
-    timeout_minutes: float | None = None
-
-
-_TRIAL_RANGES: dict[str, Range] = {"heartbeat_seconds": (1, 86400, False), "grace_seconds": (1, 10**6, False),
-                                   "max_retry": (0, 1000, False), "threads": (1, 4096, False)}
+    heartbeat_seconds: int = field(default=10, metadata=_range(1, 86400))
+    grace_seconds: int = field(default=60, metadata=_range(2, 10**6))
+    max_retry: int = field(default=2, metadata=_range(0, 1000))
+    threads: int | None = field(default=None, metadata=_range(1, 4096))
+    timeout_minutes: float | None = field(default=None, metadata=_range(0, 10**7, True))
 
 
 @dataclass
@@ -195,6 +155,7 @@ class StudySpec:
     description: str = ""
     base: str = "default"
     overrides: dict[str, Any] = field(default_factory=dict)
+    trial: TrialSettings = field(default_factory=TrialSettings)
     storage: str | None = None
     experiment: str | None = None
     out_dir: str | None = None
@@ -202,6 +163,10 @@ class StudySpec:
     @property
     def experiment_name(self) -> str:
         return self.experiment or f"{self.kind}-{self.name}"
+
+    @property
+    def timeout_minutes(self) -> float | None:
+        return self.trial.timeout_minutes
 
     def base_config(self, extra: Sequence[str] = ()) -> ExperimentConfig:
         """The base experiment with the fixed overrides (and ``extra`` ones) applied, validated."""
@@ -214,6 +179,12 @@ class StudySpec:
             return as_path.resolve()
         return (default_experiments_dir() / f"{self.base}.yaml").resolve()
 
+    def out_path(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else self.default_out()
+
+    def default_out(self) -> Path:
+        raise NotImplementedError
+
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{(self.out_path() / 'optuna.db').resolve()}"
 
@@ -224,12 +195,9 @@ class StudySpec:
         problems = [] if _NAME.match(self.name) else [
             f"'name' must be letters, digits, '_', '.' or '-' (it names the study, its folder and its runs), "
             f"got {self.name!r}"]
-        return problems + range_problems(self.trial, _TRIAL_RANGES, "trial.") + (
-            [] if self.trial.grace_seconds > self.trial.heartbeat_seconds
-            else ["trial.grace_seconds must be larger than trial.heartbeat_seconds"])
-
-    def out_path(self) -> Path:
-        raise NotImplementedError
+        if self.trial.grace_seconds <= self.trial.heartbeat_seconds:
+            problems.append("trial.grace_seconds must be larger than trial.heartbeat_seconds")
+        return problems + field_problems(self)
 
 
 @dataclass
@@ -239,19 +207,14 @@ class SweepSpec(StudySpec):
     spec_artifact: ClassVar[str] = "sweep.yaml"
     space: dict[str, Any] = field(default_factory=dict, metadata={"leaf": is_param})
     objective: Objective = field(default_factory=Objective)
-    n_trials: int = 20
+    n_trials: int = field(default=20, metadata=_range(0, 10**6))
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     pruner: PrunerSpec = field(default_factory=PrunerSpec)
     saturation: SaturationGuard = field(default_factory=SaturationGuard)
-    trial: SweepTrialSettings = field(default_factory=SweepTrialSettings)
     enqueue: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def timeout_minutes(self) -> float | None:
-        return self.trial.timeout_minutes
-
-    def out_path(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else default_specs_dir(self) / "studies" / self.name
+    def default_out(self) -> Path:
+        return default_specs_dir(self) / "studies" / self.name
 
     def active_params(self, arch: str) -> list[str]:
         """The searched keys that matter for ``arch``, ``model.arch`` first (it decides the others)."""
@@ -265,21 +228,9 @@ class SweepSpec(StudySpec):
             problems.append("the search space is empty: add at least one parameter under 'space', e.g. "
                             "optim.lr: {low: 1e-4, high: 1e-2, log: true}")
         for name, param in self.space.items():
-            problems.extend(param.problems(f"space.{name}"))
-        choices = {"objective.direction": (self.objective.direction, ("minimize", "maximize")),
-                   "sampler": (self.sampler.name, ("tpe", "random")),
-                   "pruner": (self.pruner.name, ("median", "hyperband", "none"))}
-        problems.extend(unknown_name(key, value, valid) for key, (value, valid) in choices.items()
-                        if value not in valid)
+            problems.extend(f"space.{name}: {p}" for p in param.problems() + field_problems(param))
         if not self.objective.metric:
             problems.append("objective.metric must name a logged metric, e.g. val/loss")
-        ranges: dict[str, Range] = {
-            "n_trials": (0, 10**6, False), "sampler.n_startup_trials": (0, 10**6, False),
-            "pruner.n_startup_trials": (0, 10**6, False), "pruner.warmup_tokens": (0, 10**15, False),
-            "pruner.min_tokens": (1, 10**15, False), "pruner.reduction_factor": (2, 100, False),
-            "saturation.threshold": (0, 1, False), "saturation.patience": (1, 10**6, False),
-            "saturation.windows": (1, 10**5, False), "trial.timeout_minutes": (0, 10**7, True)}
-        problems.extend(range_problems(self, ranges))
         for i, point in enumerate(self.enqueue):
             if unknown := [k for k in point if k not in self.space]:
                 problems.append(f"enqueue[{i}]: {', '.join(unknown)} not in the search space "
@@ -325,11 +276,10 @@ class AblationSpec(StudySpec):
     axes: dict[str, Any] = field(default_factory=dict)
     seed_key: str = "train.seed"
     baseline: dict[str, Any] = field(default_factory=dict)
-    timeout_minutes: float | None = None
-    trial: TrialSettings = field(default_factory=TrialSettings)
+    timeout_minutes: float | None = None  # type: ignore[assignment]  # a field here (the format's), not a property
 
-    def out_path(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else Path("reports") / "ablations" / self.name
+    def default_out(self) -> Path:
+        return Path("reports") / "ablations" / self.name
 
     def group_axes(self) -> list[str]:
         return [k for k in self.axes if k != self.seed_key]
@@ -365,6 +315,8 @@ class AblationSpec(StudySpec):
         problems = super().problems()
         if self.timeout_minutes is not None and not self.timeout_minutes > 0:
             problems.append(f"'timeout_minutes' must be a positive number or null, got {self.timeout_minutes!r}")
+        if self.trial.timeout_minutes is not None:
+            problems.append("trial.timeout_minutes: an ablation's limit per cell is its top-level timeout_minutes")
         if not self.axes:
             return problems + ["'axes' is empty: give at least one config key with a list of values, "
                                "e.g. axes: {model.arch: [transformer, satformer], train.seed: [0, 1, 2]}"]

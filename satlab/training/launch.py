@@ -33,6 +33,18 @@ def worker_env(slot: int, workers: int, threads: int, train: TrainConfig,
     return env
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except (OSError, IndexError):  # no /proc (not Linux), or not ours to signal: it exists
+        return True
+
+
 def describe_exit(returncode: int, log_file: Path) -> str:
     """Why a process that left no reason of its own ended: the signal that killed it, or its exit code and the last
     line of its log."""
