@@ -200,6 +200,10 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     again = run_study(spec, workers=2, report=False)  # nothing left to run
     assert (len(again.skipped), again.finished) == (4, [])
     assert finished_children(client, result.parent_run_id) == runs
+    (spec.out_path() / "optuna.db").unlink()  # an ablation run before it had a study: MLflow's record is adopted
+    adopted_all = run_study(spec, workers=2, report=False)
+    assert (len(adopted_all.skipped), adopted_all.finished) == (4, [])
+    assert adopted_all.parent_run_id == result.parent_run_id and finished_children(client, result.parent_run_id) == runs
 
     state = StudyState(spec.out_path() / STATE_FILE)
     adopted, redo = spec.cells()[0].key, spec.cells()[3].key

@@ -189,6 +189,7 @@ class Diverge(L.Callback):
                 pl_module.model.embed.weight.fill_(float("inf"))
 
 
+@pytest.mark.filterwarnings("ignore:Encountered `nan` values:UserWarning")  # the divergence this test makes
 def test_a_diverging_run_skips_non_finite_steps_then_stops_with_a_checkpoint(tmp_path):
     cfg = load_experiment("default", args_for(tmp_path, "diverge", "train.max_skipped_steps=2"))
     with pytest.raises(TrainingStopped, match="max_skipped_steps=2"):

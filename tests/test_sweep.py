@@ -241,3 +241,18 @@ def test_a_huge_learning_rate_is_pruned_for_nan(tmp_path):
     finish(start_sweep(spec))
     (trial,) = study_of(tmp_path).trials
     assert trial.state.name == "PRUNED" and trial.user_attrs[REASON] == "nan"
+
+
+def test_a_changed_spec_does_not_join_a_study_of_another_space(tmp_path):
+    """More trials or another pruner join the study; another search space would mix trials that do not compare."""
+    from satlab.studies.engine import open_study
+    from satlab.studies.plans import SearchPlan
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}")
+    spec = load_sweep("lr_tiny")
+    assert open_study(spec, SearchPlan(spec, "transformer", 1), storage)[1] is True
+    more = load_sweep("lr_tiny", ["n_trials=40", "pruner.name=none"])
+    assert open_study(more, SearchPlan(more, "transformer", 1), storage)[1] is False
+    narrower = load_sweep("lr_tiny", ["space.optim.lr.high=1e-2"])
+    with pytest.raises(ConfigError, match="another base, overrides, objective or search space"):
+        open_study(narrower, SearchPlan(narrower, "transformer", 1), storage)

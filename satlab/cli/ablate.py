@@ -38,6 +38,6 @@ def print_grid(spec: AblationSpec) -> None:
     table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
     for column in ("#", "cell", "group", "status"):
         table.add_column(column)
-    for i, cell in enumerate(spec.cells(), 1):
+    for i, cell in enumerate(spec.run_order(), 1):
         table.add_row(str(i), cell.slug, cell.group, state.cells.get(cell.key, {}).get("status", "not run"))
     make_console().print(table)

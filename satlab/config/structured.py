@@ -67,7 +67,10 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
                 OmegaConf.update(root, full_key, {}, merge=False)
             elif isinstance(value, Mapping):
                 node = OmegaConf.select(root, full_key)
+                floats = typing.get_args(expected)[1:] == (float,)
                 for name, item in flatten_mapping(value, fields[key].metadata.get("leaf")).items():
+                    if floats and isinstance(item, int) and not isinstance(item, bool):
+                        item = float(item)  # OmegaConf deprecates converting it on assignment
                     try:
                         node[name] = item  # item access: a dotted key stays one key
                     except OmegaConfBaseException as e:

@@ -21,6 +21,7 @@ PARENT_RUN = "mlflow_parent_run_id"  # study user attributes
 TRACKING_URI = "mlflow_tracking_uri"
 SPEC = "spec"  # the resolved spec, as a plain dict, for the trial processes
 KIND = "kind"
+FINGERPRINT = "fingerprint"  # StudySpec.fingerprint of the spec that made the study
 SUPERSEDED = "superseded_trials"  # grid trials that no longer count for their cell: it was queued again
 
 EXIT_COMPLETE, EXIT_PRUNED, EXIT_FAILED, EXIT_WORKER_LOST = 0, 3, 4, 5

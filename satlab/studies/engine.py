@@ -30,6 +30,7 @@ import mlflow
 import optuna
 import yaml
 from mlflow.exceptions import MlflowException
+from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
@@ -40,7 +41,7 @@ from satlab.config.loader import load_experiment, safe_run_name
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import nest
 from satlab.studies import attrs as A
-from satlab.studies.plans import GridPlan, Plan, SearchPlan
+from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
 from satlab.studies.runs import (
     PARENT_TAG,
     STUDY_TAG,
@@ -48,6 +49,7 @@ from satlab.studies.runs import (
     close_trial_run,
     create_parent_run,
     end_run,
+    find_parent_run,
     finished_cells,
     read_run_id,
     save_spec,
@@ -109,7 +111,7 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
     state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
     runner = TrialRunner(spec, plan, study, client, parent_id, uri, state, workers, console)
     fail_dead_local_trials(study, retry)
-    done = requeue_unfinished(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
+    done = reconcile_cells(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {len(done)} finished before, {workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
                   f"'{spec.experiment_name}', parent run {parent_id}; logs in {runner.logs}", soft_wrap=True)
@@ -153,12 +155,20 @@ def open_study(spec: StudySpec, plan: Plan, storage: optuna.storages.RDBStorage)
         raise ConfigError(f"study '{study.study_name}' in this storage was created to "
                           f"{study.direction.name.lower()}, but the spec says {plan.direction()}; use another name")
     if isinstance(spec, SweepSpec):
-        study.set_metric_names([spec.objective.metric])  # the dashboard's axis says "val/loss", not "Objective 0"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            study.set_metric_names([spec.objective.metric])  # the dashboard's axis says "val/loss", not "Objective 0"
         for point in spec.enqueue:
             study.enqueue_trial(point, skip_if_exists=True)
-    if created or A.SPEC not in study.user_attrs:
+    recorded = study.user_attrs.get(A.FINGERPRINT)
+    if recorded is not None and recorded != spec.fingerprint():
+        raise ConfigError(f"study '{study.study_name}' in this storage was run with another base, overrides, objective "
+                          f"or search space than this spec's; its trials would not compare with new ones: give this "
+                          f"spec another name (name=...) or another --storage")
+    if created or recorded is None:
         study.set_user_attr(A.KIND, spec.kind)
         study.set_user_attr(A.SPEC, replace(spec, storage=None).to_dict())
+        study.set_user_attr(A.FINGERPRINT, spec.fingerprint())
     return study, created
 
 
@@ -174,7 +184,9 @@ def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: St
             client.update_run(run_id, status="RUNNING")
             break
         if run_id or time.monotonic() >= deadline:  # recorded for another store, deleted, or never recorded
-            run_id = create_parent_run(client, spec, artifacts)
+            found = find_parent_run(client, spec) if isinstance(spec, AblationSpec) else None  # one from before
+            run_id = found.info.run_id if found is not None else create_parent_run(client, spec, artifacts)
+            client.update_run(run_id, status="RUNNING")
             study.set_user_attr(A.PARENT_RUN, run_id)
             study.set_user_attr(A.TRACKING_URI, tracking_uri)
             break
@@ -199,14 +211,22 @@ def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
                 retry(study, study._storage.get_trial(trial._trial_id))
 
 
-def requeue_unfinished(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,
-                       state: StudyState) -> dict[str, str]:
-    """Cells that ran but have no FINISHED MLflow run (failed, interrupted, or their run deleted to redo them) get
-    a new WAITING trial for their grid point; returns the finished cells (key -> run id)."""
+def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,
+                    state: StudyState) -> dict[str, str]:
+    """MLflow's FINISHED cell runs are the record: a finished cell the study has no trial for (a parent run from
+    before the study existed) is entered as COMPLETE; a cell that ran but has no FINISHED run (failed, interrupted,
+    or its run deleted to redo it) gets a new WAITING trial. Returns the finished cells (key -> run id)."""
     done = finished_cells(client, parent_id)
     for key, trials in plan.trials_by_cell(study).items():
         if key in done:
             state.update(key, slug=plan.cells[key].slug, status="finished", run_id=done[key])
+            if not any(t.state == TrialState.COMPLETE for t in trials):
+                params = dict(plan.cells[key].values)
+                loss = client.get_run(done[key]).data.metrics.get("val/loss")
+                study.add_trial(optuna.trial.create_trial(  # the value is not what a grid reads; keep it finite
+                    state=TrialState.COMPLETE, value=loss if loss is not None and loss == loss else 0.0, params=params,
+                    distributions={k: CategoricalDistribution(v) for k, v in plan.spec.axes.items()},
+                    system_attrs=plan.sampler().system_attrs(params), user_attrs={A.RUN_ID: done[key]}))
             continue
         if not trials or any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
             continue
@@ -346,7 +366,8 @@ class TrialRunner:
         trial.set_user_attr(A.REASON, reason)
         raise TrialFailed(reason)
 
-    def write_trial_file(self, trial: optuna.Trial, params: dict[str, Any], point: Any) -> tuple[Path, Any]:
+    def write_trial_file(self, trial: optuna.Trial, params: dict[str, Any],
+                         point: Point) -> tuple[Path, ExperimentConfig]:
         """The trial's experiment YAML (``satlab train experiment=<it>`` reruns it by hand), validated. Tags go in
         through the file: dotted tag keys such as ``mlflow.parentRunId`` cannot be written as overrides."""
         spec = self.spec
@@ -373,7 +394,7 @@ class TrialRunner:
                         + yaml.safe_dump(data, sort_keys=False))
         return path, load_experiment(path)
 
-    def execute(self, path: Path, cfg: Any, slot: int, log_file: Path) -> tuple[int, bool]:
+    def execute(self, path: Path, cfg: ExperimentConfig, slot: int, log_file: Path) -> tuple[int, bool]:
         """Run the trial process to its end (or its timeout); the storage URL goes through the environment, so a
         database password does not show in the process list."""
         env = worker_env(slot, self.workers, self.threads, cfg.train)

@@ -75,9 +75,12 @@ class CellGrid(optuna.samplers.GridSampler):
 
     def __init__(self, spec: AblationSpec):
         super().__init__({k: list(v) for k, v in spec.axes.items()}, seed=0)
-        seeds = [format_value(s) for s in spec.axes.get(spec.seed_key, [])]
-        cells = sorted(spec.cells(), key=lambda c: seeds.index(format_value(c.seed)) if seeds else 0)
-        self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in cells]
+        self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in spec.run_order()]
+
+    def system_attrs(self, params: dict[str, Any]) -> dict[str, Any]:
+        """What GridSampler records on a trial of grid point ``params`` (to enter a finished cell by hand)."""
+        point = tuple(params[k] for k in self._param_names)
+        return {"search_space": self._search_space, "grid_id": self._all_grids.index(point)}
 
 
 class SearchPlan:

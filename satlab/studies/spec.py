@@ -191,6 +191,15 @@ class StudySpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def identity(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """A hash of :meth:`identity`: what makes trials comparable. A sweep refuses to join a study of another
+        fingerprint; an ablation's study is named by it, so finished cells of another budget or setting are never
+        taken for this one's."""
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def problems(self) -> list[str]:
         problems = [] if _NAME.match(self.name) else [
             f"'name' must be letters, digits, '_', '.' or '-' (it names the study, its folder and its runs), "
@@ -215,6 +224,11 @@ class SweepSpec(StudySpec):
 
     def default_out(self) -> Path:
         return default_specs_dir(self) / "studies" / self.name
+
+    def identity(self) -> dict[str, Any]:
+        """What trials must share to be compared: more trials, another sampler or pruner join the same study."""
+        return {"base": self.base, "overrides": self.overrides, "objective": dataclasses.asdict(self.objective),
+                "space": {k: dataclasses.asdict(p) for k, p in self.space.items()}}
 
     def active_params(self, arch: str) -> list[str]:
         """The searched keys that matter for ``arch``, ``model.arch`` first (it decides the others)."""
@@ -288,12 +302,9 @@ class AblationSpec(StudySpec):
         """The baseline group's value of every non-seed axis (the spec's ``baseline`` or the axis' first value)."""
         return {k: self.baseline.get(k, self.axes[k][0]) for k in self.group_axes()}
 
-    def fingerprint(self) -> str:
-        """What the cells share besides their axis values. A study (and its parent run) is reused only with the
-        same fingerprint: finished cells of another budget or setting are never taken for this one's."""
-        text = json.dumps({"base": self.base, "overrides": self.overrides, "seed_key": self.seed_key},
-                          sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def identity(self) -> dict[str, Any]:
+        """What the cells share besides their axis values: a grid with more seeds or values keeps its cells."""
+        return {"base": self.base, "overrides": self.overrides, "seed_key": self.seed_key}
 
     def cells(self) -> list[Cell]:
         """The grid, first axis slowest, with directory-safe slugs (``arch=satformer,seed=0``)."""
@@ -310,6 +321,11 @@ class AblationSpec(StudySpec):
         if len({c.slug for c in cells}) < len(cells):  # values that only differ in unsafe characters
             cells = [dataclasses.replace(c, slug=f"{i:03d}-{c.slug}") for i, c in enumerate(cells)]
         return cells
+
+    def run_order(self) -> list[Cell]:
+        """The cells in the order they run: seed by seed, so an interrupted ablation leaves whole replicates."""
+        seeds = [format_value(s) for s in self.axes.get(self.seed_key, [])]
+        return sorted(self.cells(), key=lambda c: seeds.index(format_value(c.seed)) if seeds else 0)
 
     def problems(self) -> list[str]:
         problems = super().problems()

@@ -83,6 +83,12 @@ class CheckpointAfterValidation(ModelCheckpoint):
         super().__init__(**kwargs)
         self.val_every_steps = val_every_steps
 
+    @property
+    def state_key(self) -> str:
+        """One key whatever the interval (Lightning's includes it): a resume that extends ``train.max_tokens``, which
+        can move the checkpoint interval, restores this callback's state instead of warning and dropping it."""
+        return type(self).__name__
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         due = self._every_n_train_steps >= 1 and step % self._every_n_train_steps == 0
