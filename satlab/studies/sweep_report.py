@@ -9,13 +9,13 @@ when none qualifies): a trial that reached a low loss with pinned gates is not t
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import optuna
+import pandas as pd
 import yaml
 from mlflow.exceptions import MlflowException
 from optuna.trial import FrozenTrial, TrialState
@@ -101,7 +101,10 @@ def write_report(study: optuna.Study, spec: SweepSpec, base_arch: str, client: m
     out = spec.out_path() / "report"
     out.mkdir(parents=True, exist_ok=True)
     rows = trial_rows(study, spec, base_arch)
-    files = {"trials.csv": _write_csv(rows, out / "trials.csv"), "trials.md": _write_markdown(rows, out / "trials.md")}
+    table = pd.DataFrame(rows, dtype=object)  # None stays None (shown as —), not NaN
+    table.to_csv(out / "trials.csv", index=False)
+    (out / "trials.md").write_text((table.map(_cell).to_markdown(index=False) if rows else "(no trials)") + "\n")
+    files = {"trials.csv": out / "trials.csv", "trials.md": out / "trials.md"}
     best = best_trials(study, spec, base_arch)
     for arch, trial in best.items():
         label = f"best-{arch}" if arch else "best"
@@ -169,23 +172,3 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4g}"
     return str(value)
-
-
-def _write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
-    with path.open("w", newline="") as f:
-        if rows:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    return path
-
-
-def _write_markdown(rows: list[dict[str, Any]], path: Path) -> Path:
-    if not rows:
-        path.write_text("(no trials)\n")
-        return path
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
-    path.write_text("\n".join(lines) + "\n")
-    return path
