@@ -19,9 +19,9 @@ import yaml
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.studies.attrs import LOG, PID, REASON
-from satlab.studies.engine import trial_command
 from satlab.studies.loader import load_sweep
 from satlab.studies.storage import open_storage
+from satlab.studies.workers import trial_command
 from satlab.training.launch import worker_env
 
 MICRO = {

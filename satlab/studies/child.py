@@ -38,6 +38,7 @@ from satlab.studies.attrs import (
 )
 from satlab.studies.callbacks import TrialCallback, TrialStopped
 from satlab.studies.loader import spec_from_dict
+from satlab.studies.plans import make_pruner
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
 from satlab.studies.spec import KINDS, SaturationGuard, SweepSpec
 from satlab.studies.storage import open_storage
@@ -71,11 +72,7 @@ def run_trial(experiment: str) -> int:
     info = storage.get_study_user_attrs(storage.get_study_id_from_name(name))
     spec = spec_from_dict(KINDS[info[KIND]], info[SPEC], f"the spec stored on study {name}")
     search = isinstance(spec, SweepSpec)
-    pruner = None if search else optuna.pruners.NopPruner()
-    if search:
-        from satlab.studies.plans import make_pruner
-
-        pruner = make_pruner(spec)
+    pruner = make_pruner(spec) if search else optuna.pruners.NopPruner()
     study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler(),
                               pruner=pruner)
     trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, int(cfg.tracking.tags[TRIAL_TAG]))

@@ -1,9 +1,8 @@
 """Running a study: :func:`run_study` is ``satlab sweep`` and ``satlab ablate`` (and ``make sweep / ablate /
 reproduce``).
 
-Each worker thread runs one trial at a time with ``study.optimize(n_trials=1)`` (so Optuna keeps its heartbeat),
-as a process of its own (:mod:`satlab.studies.child`) that trains from the trial's resolved experiment file, in a
-slot with its share of the CPU threads and, on a GPU host, its own devices. The same command on another host with
+This module opens the study, its storage and its MLflow parent run, reconciles an ablation's cells with MLflow's
+record, runs the workers (:mod:`satlab.studies.workers`) and writes the report. The same command on another host with
 the same storage joins the study: a sweep adds its trials, an ablation takes the next cell nobody has and waits
 while others run (a cell whose worker dies is failed by heartbeat and retried). A re-run resumes: killed cells
 continue from their checkpoint in the same MLflow run, failed ones and those whose MLflow record was deleted run
@@ -12,58 +11,38 @@ again, finished ones are skipped.
 
 from __future__ import annotations
 
-import os
-import queue
-import shutil
-import signal
-import socket
-import sys
-import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import mlflow
 import optuna
-import yaml
-from mlflow.exceptions import MlflowException
 from optuna.distributions import CategoricalDistribution
-from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
-from optuna.storages import RetryHeartbeatStaleTrialCallback
-from optuna.trial import FrozenTrial, TrialState
+from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning
+from optuna.trial import TrialState
 from rich.console import Console
 
 from satlab.config.errors import ConfigError
-from satlab.config.loader import load_experiment, safe_run_name
 from satlab.config.schema import ExperimentConfig
-from satlab.config.specs import nest
 from satlab.studies import attrs as A
-from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
+from satlab.studies.plans import GridPlan, Plan, SearchPlan
 from satlab.studies.runs import (
-    PARENT_TAG,
-    STUDY_TAG,
-    TRIAL_TAG,
-    close_trial_run,
     create_parent_run,
-    end_run,
     find_parent_run,
     finished_cells,
-    read_run_id,
     save_spec,
     usable_run,
 )
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.storage import open_storage, safe_url
-from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
+from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local_trials
+from satlab.training.chatter import library_chatter_to
 from satlab.training.tracking import ensure_reachable, open_store, resolve_tracking
 
-
-class TrialFailed(Exception):
-    """A trial ended without a value; its reason is on the trial. Caught by ``study.optimize``: the study goes on."""
+STUDY_LOG = "study.log"
+"""The libraries' notices of a study's driver, in its folder (each trial's are in its run folder's train.log)."""
 
 
 @dataclass
@@ -99,7 +78,12 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
         plan = GridPlan(spec)
     retry = StaleTrialRetry(spec.trial.max_retry)
     rdb = open_storage(spec.storage, spec.trial, retry)  # a bad or unreachable storage fails before anything is made
-    Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+    with library_chatter_to(Path(spec.out_dir), STUDY_LOG):  # MLflow's migrations, Optuna's "study created"
+        return _run(spec, plan, base, rdb, retry, workers, console, report)
+
+
+def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storages.RDBStorage,
+         retry: StaleTrialRetry, workers: int, console: Console, report: bool) -> StudyResult:
     prepare_data_once(spec, base, console)
     uri, artifacts = resolve_tracking(base.tracking.uri, base.tracking.artifact_dir)
     uri = open_store(ensure_reachable(uri, base.tracking.fallback_local))
@@ -112,7 +96,9 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
     runner = TrialRunner(spec, plan, study, client, parent_id, uri, state, workers, console)
     fail_dead_local_trials(study, retry)
     done = reconcile_cells(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
-    console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {len(done)} finished before, {workers} worker(s), "
+    before = f"{len(plan.cells)} cells, {len(done)} finished before, " if isinstance(plan, GridPlan) else \
+        f"{plan.n_trials} trial(s) to add, "
+    console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
                   f"'{spec.experiment_name}', parent run {parent_id}; logs in {runner.logs}", soft_wrap=True)
     interrupted = runner.run_all(retry)
@@ -195,22 +181,6 @@ def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: St
     return run_id
 
 
-def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
-    """RUNNING trials of a driver on this host that is gone are failed now and retried, rather than after the
-    heartbeat's grace period (trials of other hosts are left to their heartbeats)."""
-    host = socket.gethostname()
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker_host, _, pid = str(trial.user_attrs.get(A.WORKER, "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            try:
-                study._storage.set_trial_user_attr(trial._trial_id, A.REASON, "worker_lost")
-                failed = study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-            except UpdateFinishedTrialError:  # its heartbeat check, here or on another host, came first
-                continue
-            if failed:
-                retry(study, study._storage.get_trial(trial._trial_id))
-
-
 def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,
                     state: StudyState) -> dict[str, str]:
     """MLflow's FINISHED cell runs are the record: a finished cell the study has no trial for (a parent run from
@@ -238,227 +208,4 @@ def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowCl
         study.set_user_attr(A.SUPERSEDED, sorted(superseded))  # finished trials cannot be marked themselves
     return done
 
-
-class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
-    """Optuna's retry of a trial whose worker stopped beating (a WAITING trial with the same parameters), after
-    closing the dead trial's MLflow run as FAILED with reason ``worker_lost``."""
-
-    def __init__(self, max_retry: int):
-        super().__init__(max_retry=max_retry)
-        self.client: mlflow.MlflowClient | None = None
-        self.parent_run_id: str | None = None
-
-    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        if self.client is not None and self.parent_run_id is not None:
-            try:
-                close_trial_run(self.client, self.parent_run_id, study.study_name, trial,
-                                trial.user_attrs.get(A.RUN_ID), trial.user_attrs.get(A.REASON) or "worker_lost",
-                                None)
-            except MlflowException as e:
-                print(f"satlab: could not close the MLflow run of stale trial {trial.number}: {e}")
-        super().__call__(study, trial)
-
-
-class TrialRunner:
-    """Optuna's objective: one trial process per call, in a worker slot (CPU threads, GPUs) of its own."""
-
-    def __init__(self, spec: StudySpec, plan: Plan, study: optuna.Study, client: mlflow.MlflowClient,
-                 parent_id: str, tracking_uri: str, state: StudyState, workers: int, console: Console):
-        self.spec, self.plan, self.study, self.client, self.parent_id = spec, plan, study, client, parent_id
-        self.tracking_uri, self.state, self.workers, self.console = tracking_uri, state, workers, console
-        self.threads = spec.trial.threads or max(1, (os.cpu_count() or 1) // workers)
-        self.slots: queue.Queue[int] = queue.Queue()
-        for slot in range(workers):
-            self.slots.put(slot)
-        self.logs = Path(spec.out_dir) / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.procs = ProcessGroup()
-        self.stopping = threading.Event()
-        self.lock = threading.Lock()
-        self.launched = 0
-        self.finished: list[str] = []
-        self.failures: dict[str, str] = {}
-
-    def run_all(self, retry: StaleTrialRetry) -> bool:
-        """Run trials until the plan is done; True when interrupted (Ctrl-C or SIGTERM stop the running trials)."""
-        in_main = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-        verbosity = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.ERROR)  # each trial gets lines of ours instead
-        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="satlab-worker")
-        try:
-            futures = [pool.submit(self.worker_loop, retry) for _ in range(self.workers)]
-            for future in futures:
-                while not future.done():
-                    time.sleep(0.2)
-                future.result()
-        except KeyboardInterrupt:
-            self.stopping.set()
-            self.console.print("[yellow]interrupted[/]: stopping the running trials; the same command resumes")
-            self.procs.stop()
-            return True
-        finally:
-            pool.shutdown(wait=True)
-            optuna.logging.set_verbosity(verbosity)
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        return self.stopping.is_set()
-
-    def interrupt(self, signum: int, frame: Any) -> None:
-        self.stopping.set()
-        self.procs.terminate()
-        raise KeyboardInterrupt
-
-    def worker_loop(self, retry: StaleTrialRetry) -> None:
-        while not self.stopping.is_set():
-            with self.lock:
-                action = self.plan.next_action(self.study, self.launched)
-                self.launched += action == "run"
-            if action == "done":
-                return
-            if action == "wait":
-                optuna.storages.fail_stale_trials(self.study)
-                fail_dead_local_trials(self.study, retry)
-                time.sleep(self.spec.trial.heartbeat_seconds)
-                continue
-            self.study.optimize(self, n_trials=1, catch=(TrialFailed,), callbacks=[self.on_trial_end])
-
-    def __call__(self, trial: optuna.Trial) -> float:
-        retry_of = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial.storage.get_trial(trial._trial_id))
-        if retry_of is not None:  # a retried trial inherits the stale one's user attrs: start this attempt clean
-            for key in A.ATTEMPT_ATTRS:
-                trial.set_user_attr(key, None)
-            trial.set_user_attr(A.RETRY_OF, retry_of)
-        params = self.plan.suggest(trial)
-        if isinstance(self.plan, GridPlan) and self.plan.is_duplicate(self.study, trial, params):
-            trial.set_user_attr(A.IGNORED, "duplicate")
-            raise optuna.TrialPruned("duplicate: another worker has this cell")
-        point = self.plan.point(trial, params)
-        log_file = self.logs / f"{point.slug}.log"
-        trial.set_user_attr(A.WORKER, f"{socket.gethostname()}:{os.getpid()}")
-        trial.set_user_attr(A.LOG, str(log_file))
-        path, cfg = self.write_trial_file(trial, params, point)
-        trial.set_user_attr(A.ARCH, cfg.model.arch)
-        run_dir = Path(cfg.train.out_dir) / cfg.name
-        resumed = point.resume == "auto" and prepare_run_dir(self.client, run_dir)
-        self.state.update(point.key, slug=point.slug, status="running", log=str(log_file), run_dir=str(run_dir))
-        retry = f" (retry of trial {retry_of})" if retry_of is not None else ""
-        self.console.print(f"trial {trial.number:>3} {'resumed' if resumed else 'started'}{retry}: "
-                           f"{format_params(params)}  [dim]{log_file}[/]", soft_wrap=True)
-        slot = self.slots.get()
-        try:
-            returncode, timed_out = self.execute(path, cfg, slot, log_file)
-        finally:
-            self.slots.put(slot)
-        values = trial.storage.get_trial(trial._trial_id).user_attrs  # fresh: the trial process wrote them
-        if isinstance(self.plan, SearchPlan) and returncode in (A.EXIT_COMPLETE, A.EXIT_PRUNED):
-            self.plan.record_constraint(trial, values.get(A.SATURATION))
-        if returncode == A.EXIT_COMPLETE and values.get(A.VALUE) is not None:
-            return float(values[A.VALUE])
-        if returncode == A.EXIT_PRUNED and not self.stopping.is_set():
-            raise optuna.TrialPruned(values.get(A.REASON) or "pruned")
-        if self.stopping.is_set():
-            reason = "interrupted"
-        elif timed_out:
-            reason = f"timeout after {self.spec.timeout_minutes:g} min"
-        else:
-            reason = values.get(A.REASON) or describe_exit(returncode, log_file)
-        trial.set_user_attr(A.REASON, reason)
-        raise TrialFailed(reason)
-
-    def write_trial_file(self, trial: optuna.Trial, params: dict[str, Any],
-                         point: Point) -> tuple[Path, ExperimentConfig]:
-        """The trial's experiment YAML (``satlab train experiment=<it>`` reruns it by hand), validated. Tags go in
-        through the file: dotted tag keys such as ``mlflow.parentRunId`` cannot be written as overrides."""
-        spec = self.spec
-        base = spec.base_config()
-        tags = {**base.tracking.tags, PARENT_TAG: self.parent_id, STUDY_TAG: self.study.study_name,
-                TRIAL_TAG: str(trial.number), **point.tags}
-        flat: dict[str, Any] = {k: v for k, v in spec.overrides.items() if not k.startswith("tracking.tags")}
-        if isinstance(spec, SweepSpec):  # no end-of-run suite unless asked for; the guard's windows in the run
-            flat = {"eval.at_end": False, "eval.gate_windows": spec.saturation.windows, **flat}
-            out_dir = Path(spec.out_dir) / "runs"
-        else:
-            out_dir = (Path(base.train.out_dir) / "ablations" / spec.name).resolve()
-        flat.update(params)
-        flat.update({"name": safe_run_name(f"{spec.name}-{point.slug}"),
-                     "description": f"{spec.kind} {spec.name}: {point.key} ({format_params(params)})",
-                     "train.out_dir": str(out_dir), "train.resume": point.resume,
-                     "tracking.uri": self.tracking_uri, "tracking.experiment": spec.experiment_name})
-        data = {"base": str(spec.base_path()), **nest(flat)}
-        data["tracking"]["tags"] = tags
-        path = Path(spec.out_dir) / "trials" / f"{point.slug}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# {spec.kind} '{spec.name}', trial {trial.number}: {point.key}. Written by satlab.\n"
-                        f"# Rerun it by hand with: satlab train experiment={path}\n"
-                        + yaml.safe_dump(data, sort_keys=False))
-        return path, load_experiment(path)
-
-    def execute(self, path: Path, cfg: ExperimentConfig, slot: int, log_file: Path) -> tuple[int, bool]:
-        """Run the trial process to its end (or its timeout); the storage URL goes through the environment, so a
-        database password does not show in the process list."""
-        env = worker_env(slot, self.workers, self.threads, cfg.train)
-        env.update({A.STORAGE_ENV: self.spec.storage, A.DRIVER_ENV: str(os.getpid())})
-        timeout = self.spec.timeout_minutes * 60 if self.spec.timeout_minutes else None
-        return self.procs.run(trial_command(path, cfg.train.devices, cfg.train.accelerator), env, log_file, timeout,
-                              append=True)
-
-    def on_trial_end(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """After Optuna recorded the outcome: close the trial's MLflow run, record it, print one line."""
-        if trial.user_attrs.get(A.IGNORED):
-            return
-        point = self.plan.point(trial, trial.params)  # type: ignore[arg-type]
-        reason = trial.user_attrs.get(A.REASON) if trial.state.name != "COMPLETE" else None
-        log = trial.user_attrs.get(A.LOG)
-        try:
-            run_id = close_trial_run(self.client, self.parent_id, self.spec.name, trial,
-                                     trial.user_attrs.get(A.RUN_ID), reason, Path(log) if log else None)
-        except MlflowException as e:
-            run_id = None
-            self.console.print(f"[yellow]could not close the MLflow run of trial {trial.number}: {e}[/]")
-        status = {"COMPLETE": "finished", "PRUNED": "pruned"}.get(trial.state.name, "failed")
-        if reason == "interrupted":
-            status = "interrupted"
-        elif status == "failed":
-            self.failures[point.key] = reason or "no reason recorded"
-        else:
-            self.finished.append(point.key)
-        minutes = trial.duration.total_seconds() / 60 if trial.duration else 0.0
-        self.state.update(point.key, status=status, run_id=run_id, reason=reason, minutes=round(minutes, 2))
-        style = {"COMPLETE": "green", "PRUNED": "yellow"}.get(trial.state.name, "red")
-        tokens = trial.user_attrs.get(A.TOKENS)
-        outcome = f"val/loss {trial.value:.4f}" if isinstance(self.plan, GridPlan) and trial.value is not None else \
-            f"{self.spec.objective.metric} {trial.value:.4f}" if trial.state.name == "COMPLETE" else \
-            f"at {tokens:,} tokens" if trial.state.name == "PRUNED" and tokens is not None else ""
-        self.console.print(f"trial {trial.number:>3} [{style}]{trial.state.name.lower()}[/] {outcome}"
-                           f"{f' ({reason})' if reason else ''} after {minutes:.1f} min: {format_params(trial.params)}",
-                           soft_wrap=True)
-
-
-def trial_command(path: Path, devices: int, accelerator: str) -> list[str]:
-    """``python -m satlab.studies.child experiment=<path>``, under ``torchrun`` when it trains on several GPUs."""
-    module = ["-m", "satlab.studies.child", f"experiment={path}"]
-    if devices > 1 and accelerator != "cpu":
-        module = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", *module]
-    return [sys.executable, *module]
-
-
-def prepare_run_dir(client: mlflow.MlflowClient, run_dir: Path) -> bool:
-    """True when the trial can resume: a checkpoint and an unfinished MLflow run to continue. Otherwise the
-    leftovers of an earlier attempt (killed before its first checkpoint, or a run deleted from MLflow to redo the
-    cell) are removed, and a RUNNING run they name is closed as KILLED, so the trial starts clean."""
-    if not run_dir.exists():
-        return False
-    run_id = read_run_id(run_dir)
-    run = usable_run(client, run_id)
-    if (run_dir / "checkpoints" / "last.ckpt").exists() and run is not None and run.info.status != "FINISHED":
-        return True
-    end_run(client, run_id, "KILLED")
-    shutil.rmtree(run_dir)
-    return False
-
-
-def format_params(params: dict[str, Any]) -> str:
-    return " ".join(f"{k.rsplit('.', 1)[-1]}={v:.3g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}={v}"
-                    for k, v in params.items())
 

@@ -7,6 +7,7 @@ are declared on the fields (``metadata``) and checked by :func:`satlab.config.st
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import itertools
@@ -145,7 +146,7 @@ class TrialSettings:
 
 
 @dataclass
-class StudySpec:
+class StudySpec(abc.ABC):
     """What sweeps and ablations share; ``kind`` names the subclass in a study's stored attributes."""
 
     kind: ClassVar[str]
@@ -182,8 +183,9 @@ class StudySpec:
     def out_path(self) -> Path:
         return Path(self.out_dir) if self.out_dir else self.default_out()
 
+    @abc.abstractmethod
     def default_out(self) -> Path:
-        raise NotImplementedError
+        """Where the study's storage, logs, trial files and report go when ``out_dir`` is not given."""
 
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{(self.out_path() / 'optuna.db').resolve()}"
@@ -191,8 +193,9 @@ class StudySpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @abc.abstractmethod
     def identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What trials must share to be compared (hashed by :meth:`fingerprint`)."""
 
     def fingerprint(self) -> str:
         """A hash of :meth:`identity`: what makes trials comparable. A sweep refuses to join a study of another

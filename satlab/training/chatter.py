@@ -19,15 +19,15 @@ LOG_FILE = "train.log"
 
 
 @contextmanager
-def library_chatter_to(run_dir: Path) -> Iterator[None]:
-    """While the block runs, the libraries' INFO records go to ``run_dir/train.log`` and only their warnings to the
+def library_chatter_to(run_dir: Path, log_file: str = LOG_FILE) -> Iterator[None]:
+    """While the block runs, the libraries' INFO records go to ``run_dir/<log_file>`` and only their warnings to the
     console."""
     import datasets
 
     datasets.disable_progress_bars()  # "Generating train split" bars: satlab shows its own progress
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a deprecation inside Lightning, not ours
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / LOG_FILE)
+    handler = logging.FileHandler(run_dir / log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.INFO)
     consoles = []
