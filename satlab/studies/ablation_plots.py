@@ -1,5 +1,5 @@
-"""The report's figures: a validation metric against tokens seen, overlaid per group (mean over seeds with its
-range), a metric against a difficulty axis per architecture, and the groups' gate heatmaps side by side."""
+"""The ablation report's figures: a validation metric against tokens seen per group (mean over seeds with its
+range), a metric against a difficulty axis per architecture, and gate heatmaps side by side."""
 
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from satlab.studies.results import GroupResult  # noqa: E402
 
 def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Path, title: str,
                 ylabel: str = "validation loss") -> Path | None:
-    """One line per group: the mean of its curve metric (val/loss) over its seeds at the token counts they share,
-    shaded from the lowest to the highest seed. None when no run logged a curve."""
+    """One line per group at the token counts its seeds share, shaded from the lowest to the highest seed. None
+    when no run logged a curve."""
     figure, axes = plt.subplots(figsize=(8, 5))
-    colors = plt.get_cmap("tab10")
     tops = []
     for i, group in enumerate(g for g in groups if any(c.curve for c in g.cells)):
         curves = [dict(c.curve) for c in group.cells if c.curve]
@@ -30,9 +29,9 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
         if not tokens:
             continue
         values = np.array([[c[t] for t in tokens] for c in curves])
-        mean = values.mean(axis=0)
-        color = colors(i % 10)
-        axes.plot(tokens, mean, color=color, marker="o", markersize=3, label=f"{labels[group.label]} (n={len(curves)})")
+        color = plt.get_cmap("tab10")(i % 10)
+        axes.plot(tokens, values.mean(axis=0), color=color, marker="o", markersize=3,
+                  label=f"{labels[group.label]} (n={len(curves)})")
         if len(curves) > 1:
             axes.fill_between(tokens, values.min(axis=0), values.max(axis=0), color=color, alpha=0.15, linewidth=0)
         tops.append(values[:, 1:].max() if values.shape[1] > 1 else values.max())
@@ -42,47 +41,27 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
     low, _ = axes.get_ylim()
     axes.set_ylim(low, max(tops) + 0.05 * (max(tops) - low))  # the untrained first point would squash the rest
     axes.xaxis.set_major_formatter(EngFormatter())
-    return _save_lines(figure, axes, path, "tokens seen", ylabel, title)
-
-
-def _save_lines(figure, axes, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
-    """Label, grid and legend a line plot, write it to ``path`` and close it."""
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(figure, path, title, axes, "tokens seen", ylabel)
 
 
 def metric_vs_axis(groups: Sequence[GroupResult], axis: str, line_key: str, metric: str, names: dict[str, str],
                    path: Path, title: str) -> Path | None:
-    """One line per value of ``line_key`` (the architecture): the mean of ``metric`` over seeds at each value of
-    ``axis`` (the difficulty), in grid order, with ± one std. None when no group has the metric."""
-    points = [v for v in dict.fromkeys(g.values[axis] for g in groups)]
+    """One line per value of ``line_key`` (the architecture): the mean ± std of ``metric`` over seeds at each value
+    of ``axis`` (the difficulty), in grid order. None when no group has the metric."""
+    points = list(dict.fromkeys(g.values[axis] for g in groups))
     figure, axes = plt.subplots(figsize=(8, 5))
-    drawn = False
     for line in dict.fromkeys(g.values[line_key] for g in groups):
-        xs, means, stds = [], [], []
-        for i, point in enumerate(points):
-            group = next((g for g in groups if g.values[line_key] == line and g.values[axis] == point), None)
-            samples = [] if group is None else group.samples(metric)
-            if samples:
-                xs.append(i)
-                means.append(float(np.mean(samples)))
-                stds.append(float(np.std(samples, ddof=1)) if len(samples) > 1 else 0.0)
-        if xs:
-            axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=names.get(line, str(line)))
-            drawn = True
-    if not drawn:
+        found = {i: g.samples(metric) for g in groups for i, p in enumerate(points)
+                 if g.values[line_key] == line and g.values[axis] == p and g.samples(metric)}
+        if found:
+            axes.errorbar(list(found), [np.mean(s) for s in found.values()], marker="o", capsize=3,
+                          yerr=[np.std(s, ddof=1) if len(s) > 1 else 0.0 for s in found.values()],
+                          label=names.get(line, str(line)))
+    if not axes.lines:
         plt.close(figure)
         return None
     axes.set_xticks(range(len(points)), [str(p) for p in points])
-    return _save_lines(figure, axes, path, axis, metric.replace("_", " "), title)
+    return _save(figure, path, title, axes, axis, metric.replace("_", " "))
 
 
 def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, columns: int = 3) -> Path | None:
@@ -91,15 +70,26 @@ def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, colum
         return None
     columns = min(columns, len(items))
     rows = math.ceil(len(items) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.5 * rows), squeeze=False)
-    for ax in axes.flat:
+    figure, grid = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.5 * rows), squeeze=False)
+    for ax in grid.flat:
         ax.axis("off")
-    for ax, (label, image) in zip(axes.flat, items, strict=False):
+    for ax, (label, image) in zip(grid.flat, items, strict=False):
         ax.imshow(plt.imread(image))
         ax.set_title(label, fontsize=10)
-    figure.suptitle(title)
+    return _save(figure, path, title, dpi=110)
+
+
+def _save(figure: plt.Figure, path: Path, title: str, axes: plt.Axes | None = None, xlabel: str = "",
+          ylabel: str = "", dpi: int = 120) -> Path:
+    """Title the figure (and label, grid and legend a line plot's ``axes``), write it to ``path`` and close it."""
+    if axes is None:
+        figure.suptitle(title)
+    else:
+        axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path

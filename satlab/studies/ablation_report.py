@@ -1,23 +1,19 @@
-"""The ablation report: ``report.md`` and ``report.html`` (plus figures and ``summary.json``) in the ablation's
-folder, and the same files as artifacts under ``report/`` on the parent run.
-
-Per group of cells (same values on every axis but the seed): mean ± std over seeds of the final validation loss,
-the offline zero-shot and retrieval averages, tokens/s, peak memory and gate sparsity, the parameter count, and
-Welch p-values against the baseline group. When ``model.arch`` is an axis, the paper's claims are checked on these
-numbers and stated plainly, held or not. A metric no run logged shows as "—".
-
-An ablation of a synthetic recall task reports held-out accuracy and the steps to 0.9 and 0.99 instead, with
-p-values against the Transformer and ResFormer at the same values of the other axes, accuracy plotted against the
-difficulty axis, and the claim that SATFormer retrieves better checked at every difficulty.
+"""The ablation report: ``report.md``, ``report.html``, figures and ``summary.json`` in the ablation's folder and
+under ``report/`` on the parent run. Per group of cells (equal on every axis but the seed): mean ± std over seeds of
+each measure (:mod:`satlab.studies.results`) and Welch p-values, against the baseline group or, for a recall
+ablation over ``model.arch``, against the Transformer and ResFormer at the same values of the other axes. With
+``model.arch`` an axis, the paper's claims are checked on these numbers and stated plainly, held or not.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+import pandas as pd
 from markdown_it import MarkdownIt
 from rich.console import Console
 from rich.table import Table
@@ -37,54 +33,66 @@ from satlab.studies.stats import Verdict, best_verdict, format_p, mean_std, orde
 
 ARCH_NAMES = {"transformer": "Transformer", "resformer": "ResFormer", "satformer": "SATFormer",
               "denseformer": "DenseFormer", "hyperconnections": "Hyper-Connections", "muddformer": "MUDDFormer"}
-P_COLUMNS = {"val_loss": "p (loss)", "retrieval": "p (retrieval)"}
-RECALL_P_COLUMNS = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}
+BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
+REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
 RECALL_REFERENCES = ("transformer", "resformer")
-"""The architectures a recall ablation's p-values and verdicts compare SATFormer (and every group) against."""
 _CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
         "table{border-collapse:collapse;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
         "th:first-child,td:first-child{text-align:left}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
 
 
-def group_labels(spec: AblationSpec, groups: Sequence[GroupResult]) -> dict[str, str]:
-    """Short names: the value alone when one axis varies besides the seed, else ``key=value`` with short keys."""
-    axes = spec.group_axes()
-    labels = {}
-    for group in groups:
-        if len(axes) == 1:
-            labels[group.label] = format_value(group.values[axes[0]])
-        else:
-            labels[group.label] = ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in
-                                            group.values.items()) or "all"
-    return labels
+@dataclass
+class Comparison:
+    """What a p column compares each group with; the reference's own cell shows ``mark``."""
+
+    suffix: str
+    mark: str
+    reference: Callable[[GroupResult], GroupResult | None]
 
 
-def cell_text(values: list[float], fmt: str, cells: int | None = None) -> str:
-    """``mean ± std``; with ``cells`` (a metric that some runs never log, such as steps to an accuracy), also how many
-    of the group's cells logged it."""
-    mean, std = mean_std(values)
-    reached = "" if cells is None else f" ({len(values)}/{cells})"
-    if mean is None:
-        return "—" + reached
-    return fmt.format(mean) + ("" if std is None else f" ± {fmt.format(std)}") + reached
-
-
-def is_censored(column: Column) -> bool:
-    return column.key.startswith("recall/steps_to_")
+def comparisons(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) \
+        -> tuple[dict[str, str], list[Comparison]]:
+    if measures is RECALL_MEASURES and "model.arch" in spec.group_axes():
+        return REFERENCE_P, [Comparison(f" vs {ARCH_NAMES[a]}", "reference",
+                                        lambda g, a=a: reference_group(groups, g, a)) for a in RECALL_REFERENCES]
+    baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
+    return BASELINE_P, [Comparison("", "baseline", lambda g: baseline)]
 
 
 def reference_group(groups: Sequence[GroupResult], group: GroupResult, arch: str) -> GroupResult | None:
     """The group with ``model.arch=arch`` and the same values as ``group`` on every other axis."""
-    target = group.values | {"model.arch": arch}
-    return next((g for g in groups if g.values == target), None)
+    return next((g for g in groups if g.values == group.values | {"model.arch": arch}), None)
 
 
-def group_p(group: GroupResult, reference: GroupResult | None, column: Column) -> str:
-    """Welch's p of ``column`` between two groups; for steps to an accuracy, only when every cell reached it."""
-    if reference is None:
-        return "—"
-    if reference is group:
-        return "reference"
+def group_labels(spec: AblationSpec, groups: Sequence[GroupResult]) -> dict[str, str]:
+    """The value alone when one axis varies besides the seed, else ``key=value`` with short keys."""
+    axes = spec.group_axes()
+    if len(axes) == 1:
+        return {g.label: format_value(g.values[axes[0]]) for g in groups}
+    return {g.label: ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in g.values.items()) or "all"
+            for g in groups}
+
+
+def is_censored(column: Column) -> bool:
+    """Steps to an accuracy: a cell that never reached it logged nothing."""
+    return column.key.startswith("recall/steps_to_")
+
+
+def cell_text(group: GroupResult, column: Column) -> str:
+    """``mean ± std``, and for a censored measure how many of the group's cells reached it."""
+    values = group.samples(column.name)
+    mean, std = mean_std(values)
+    reached = f" ({len(values)}/{len(group.cells)})" if is_censored(column) else ""
+    if mean is None:
+        return "—" + reached
+    return column.fmt.format(mean) + ("" if std is None else f" ± {column.fmt.format(std)}") + reached
+
+
+def group_p(group: GroupResult, comparison: Comparison, column: Column) -> str:
+    """Welch's p of ``column``; for a censored measure only when every cell of both groups reached it."""
+    reference = comparison.reference(group)
+    if reference is None or reference is group:
+        return "—" if reference is None else comparison.mark
     a, b = group.samples(column.name), reference.samples(column.name)
     if is_censored(column) and (len(a) < len(group.cells) or len(b) < len(reference.cells)):
         return "—"
@@ -93,73 +101,79 @@ def group_p(group: GroupResult, reference: GroupResult | None, column: Column) -
 
 def results_table(spec: AblationSpec, groups: Sequence[GroupResult], labels: dict[str, str],
                   measures: Measures) -> list[list[str]]:
-    """Rows of the main table (header first): p-values against the baseline group, or, for recall, against the
-    Transformer and ResFormer groups at the same values of the other axes."""
-    recall = measures is RECALL_MEASURES and "model.arch" in spec.group_axes()
-    baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
+    """The main table's rows, header first."""
+    tested, against = comparisons(spec, groups, measures)
     header = ["cell", "seeds", "params"]
     for column in measures.columns:
         header.append(column.header)
-        if recall and column.name in RECALL_P_COLUMNS:
-            header += [f"p {RECALL_P_COLUMNS[column.name]} vs {ARCH_NAMES[a]}" for a in RECALL_REFERENCES]
-        elif not recall and column.name in P_COLUMNS:
-            header.append(P_COLUMNS[column.name])
+        if column.name in tested:
+            header += [f"p {tested[column.name]}{c.suffix}" if c.suffix else f"p ({tested[column.name]})"
+                       for c in against]
     rows = [header]
     for group in groups:
-        is_base = group is baseline and not recall
-        row = [labels[group.label] + (" (baseline)" if is_base else ""), f"{len(group.cells)}/{group.expected}",
+        is_baseline = against[0].mark == "baseline" and against[0].reference(group) is group
+        row = [labels[group.label] + (" (baseline)" if is_baseline else ""), f"{len(group.cells)}/{group.expected}",
                f"{group.params:,}" if group.params else "—"]
         for column in measures.columns:
-            row.append(cell_text(group.samples(column.name), column.fmt,
-                                 len(group.cells) if is_censored(column) else None))
-            if recall and column.name in RECALL_P_COLUMNS:
-                row += [group_p(group, reference_group(groups, group, a), column) for a in RECALL_REFERENCES]
-            elif not recall and column.name in P_COLUMNS:
-                p = None if is_base or baseline is None else welch_p(group.samples(column.name),
-                                                                     baseline.samples(column.name))
-                row.append("baseline" if is_base else format_p(p))
+            row.append(cell_text(group, column))
+            if column.name in tested:
+                row += [group_p(group, c, column) for c in against]
         rows.append(row)
     return rows
 
 
-def recall_verdicts(groups: Sequence[GroupResult]) -> list[Verdict]:
-    """"SATFormer retrieves better" at every combination of the other axes (the difficulty points): higher held-out
-    accuracy than the Transformer, and than ResFormer, with Welch's p."""
-    verdicts = []
-    for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
-        point = ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items()
-                          if k != "model.arch") or "this setting"
-        for arch in RECALL_REFERENCES:
-            reference = reference_group(groups, group, arch)
-            samples = {"satformer": group.samples("recall_acc"),
-                       arch: [] if reference is None else reference.samples("recall_acc")}
-            verdicts.append(best_verdict(samples, "satformer", f"SATFormer retrieves better than {ARCH_NAMES[arch]} "
-                                         f"(held-out accuracy, {point})", labels=ARCH_NAMES))
-    return verdicts
-
-
 def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
-    """The paper's claims on the architecture groups (other axes at their baseline values); none when
-    ``model.arch`` is not an axis."""
+    """The paper's claims on the architecture groups, the other axes at their baseline values; for a recall
+    ablation, "SATFormer retrieves better" at every point of the other axes (the difficulties)."""
     if "model.arch" not in spec.group_axes():
         return []
     if measures is RECALL_MEASURES:
-        return recall_verdicts(groups)
+        verdicts = []
+        for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
+            point = ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items()
+                              if k != "model.arch") or "this setting"
+            for arch in RECALL_REFERENCES:
+                reference = reference_group(groups, group, arch)
+                samples = {"satformer": group.samples("recall_acc"),
+                           arch: [] if reference is None else reference.samples("recall_acc")}
+                verdicts.append(best_verdict(samples, "satformer", f"SATFormer retrieves better than "
+                                             f"{ARCH_NAMES[arch]} (held-out accuracy, {point})", labels=ARCH_NAMES))
+        return verdicts
     others = {k: v for k, v in spec.baseline_values().items() if k != "model.arch"}
     by_arch = {g.values["model.arch"]: g for g in groups if all(g.values[k] == v for k, v in others.items())}
-    loss = {arch: g.samples("val_loss") for arch, g in by_arch.items()}
-    retrieval = {arch: g.samples("retrieval") for arch, g in by_arch.items()}
     return [
-        ordering_verdict(loss, ["satformer", "resformer", "transformer"],
-                         "SATFormer < ResFormer < Transformer in final validation loss", labels=ARCH_NAMES),
-        best_verdict(retrieval, "satformer", "SATFormer best on the retrieval average", labels=ARCH_NAMES),
+        ordering_verdict({a: g.samples("val_loss") for a, g in by_arch.items()}, ["satformer", "resformer",
+                         "transformer"], "SATFormer < ResFormer < Transformer in final validation loss",
+                         labels=ARCH_NAMES),
+        best_verdict({a: g.samples("retrieval") for a, g in by_arch.items()}, "satformer",
+                     "SATFormer best on the retrieval average", labels=ARCH_NAMES),
     ]
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    return "\n".join(lines)
+def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Sequence[GroupResult],
+                  labels: dict[str, str], measures: Measures, out: Path) -> dict[str, Path]:
+    """The learning curves, accuracy against the difficulty axis (a recall ablation with one), and one gate heatmap
+    per group (its first seed that logged one); those with nothing to show are left out."""
+    difficulty = [k for k in spec.group_axes() if k != "model.arch"]
+    by_difficulty = None
+    if measures is RECALL_MEASURES and "model.arch" in spec.group_axes() and len(difficulty) == 1:
+        by_difficulty = metric_vs_axis(groups, difficulty[0], "model.arch", "recall_acc", ARCH_NAMES,
+                                       out / "accuracy_vs_difficulty.png",
+                                       f"{spec.name}: held-out recall accuracy (mean ± std over seeds)")
+    heatmaps = []
+    for group in groups:
+        for cell in sorted(group.cells, key=lambda c: format_value(c.cell.seed)):
+            if image := download_heatmap(client, cell.run_id, out / "heatmaps" / f"{cell.cell.slug}.png"):
+                heatmaps.append((f"{labels[group.label]} (seed {format_value(cell.cell.seed)})", image))
+                break
+    figures = {
+        "loss_curves": loss_curves(groups, labels, out / "loss_curves.png",
+                                   f"{spec.name}: {measures.curve_label} (mean over seeds)", measures.curve_label),
+        "accuracy_vs_difficulty": by_difficulty,
+        "gate_heatmaps": tile_images(heatmaps, out / "gate_heatmaps.png",
+                                     f"{spec.name}: gate heatmaps (final step, one seed)"),
+    }
+    return {name: path for name, path in figures.items() if path is not None}
 
 
 def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str, out_dir: Path | None = None,
@@ -172,76 +186,46 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     labels = group_labels(spec, groups)
     rows = results_table(spec, groups, labels, measures)
     verdicts = paper_verdicts(spec, groups, measures)
-    files: dict[str, Path] = {}
-    curves = loss_curves(groups, labels, out / "loss_curves.png",
-                         f"{spec.name}: {measures.curve_label} (mean over seeds)", measures.curve_label)
-    if curves is not None:
-        files["loss_curves"] = curves
-    difficulty = [k for k in spec.group_axes() if k != "model.arch"]
-    if measures is RECALL_MEASURES and "model.arch" in spec.group_axes() and len(difficulty) == 1:
-        by_axis = metric_vs_axis(groups, difficulty[0], "model.arch", "recall_acc", ARCH_NAMES,
-                                 out / "accuracy_vs_difficulty.png", f"{spec.name}: held-out recall accuracy "
-                                 "(mean ± std over seeds)")
-        if by_axis is not None:
-            files["accuracy_vs_difficulty"] = by_axis
-    heatmaps = []
-    for group in groups:
-        for cell in sorted(group.cells, key=lambda c: format_value(c.cell.seed)):
-            image = download_heatmap(client, cell.run_id, out / "heatmaps" / f"{cell.cell.slug}.png")
-            if image is not None:
-                heatmaps.append((f"{labels[group.label]} (seed {format_value(cell.cell.seed)})", image))
-                break
-    tiles = tile_images(heatmaps, out / "gate_heatmaps.png", f"{spec.name}: gate heatmaps (final step, one seed)")
-    if tiles is not None:
-        files["gate_heatmaps"] = tiles
+    files = write_figures(spec, client, groups, labels, measures, out)
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures)
-    files["markdown"] = out / "report.md"
-    files["markdown"].write_text(text)
     body = MarkdownIt("commonmark").enable("table").render(text)
-    files["html"] = out / "report.html"
-    files["html"].write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>ablation {spec.name}</title>"
-                             f"<style>{_CSS}</style></head><body>\n{body}</body></html>\n")
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "verdicts": [{"claim": v.claim, "held": v.held, "detail": v.detail} for v in verdicts],
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
-    files["summary"] = out / "summary.json"
-    files["summary"].write_text(json.dumps(summary, indent=2))
+    for name, filename, content in (
+            ("markdown", "report.md", text),
+            ("html", "report.html", f"<!doctype html>\n<html><head><meta charset='utf-8'><title>ablation {spec.name}"
+                                    f"</title><style>{_CSS}</style></head><body>\n{body}</body></html>\n"),
+            ("summary", "summary.json", json.dumps(summary, indent=2))):
+        files[name] = out / filename
+        files[name].write_text(content)
     for path in files.values():
         client.log_artifact(parent_run_id, str(path), "report")
     if console is not None:
-        print_summary(console, spec, rows, verdicts)
+        table = Table(title=f"ablation '{spec.name}' (mean ± std over seeds)")
+        for i, header in enumerate(rows[0]):
+            table.add_column(header, justify="left" if i == 0 else "right")
+        for row in rows[1:]:
+            table.add_row(*row)
+        console.print(table)
+        for verdict in verdicts:
+            console.print(f"- {verdict.sentence().replace('**', '')}", soft_wrap=True)
         console.print(f"report: {files['markdown']} and {files['html']} (also on the parent run {parent_run_id})",
                       soft_wrap=True)
     return files
 
 
-def print_summary(console: Console, spec: AblationSpec, rows: list[list[str]], verdicts: list[Verdict]) -> None:
-    """The main table and the verdicts on the terminal."""
-    table = Table(title=f"ablation '{spec.name}' (mean ± std over seeds)")
-    for i, header in enumerate(rows[0]):
-        table.add_column(header, justify="left" if i == 0 else "right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    console.print(table)
-    for verdict in verdicts:
-        console.print(f"- {verdict.sentence().replace('**', '')}", soft_wrap=True)
-
-
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
                     measures: Measures) -> str:
-    finished = sum(len(g.cells) for g in groups)
-    total = sum(g.expected for g in groups)
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
-    lines = [f"# Ablation `{spec.name}`", ""]
-    if spec.description:
-        lines += [spec.description, ""]
-    lines += [f"Base experiment `{spec.base}`; fixed overrides: {fixed}.", "",
-              f"Axes: {axes}; cells that differ only in `{spec.seed_key}` are grouped.", "",
-              f"Finished cells: {finished} of {total}. MLflow: `{tracking_uri}`, experiment `{spec.experiment_name}`, "
-              f"parent run `{parent_run_id}`.", "",
-              "## Results", ""]
+    lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
+             f"Base experiment `{spec.base}`; fixed overrides: {fixed}.", "",
+             f"Axes: {axes}; cells that differ only in `{spec.seed_key}` are grouped.", "",
+             f"Finished cells: {sum(len(g.cells) for g in groups)} of {sum(g.expected for g in groups)}. MLflow: "
+             f"`{tracking_uri}`, experiment `{spec.experiment_name}`, parent run `{parent_run_id}`.", "",
+             "## Results", ""]
     if measures is RECALL_MEASURES:
         against = ("against the Transformer and ResFormer groups at the same values of the other axes (for steps, "
                    "only when every cell of both groups reached it)" if "model.arch" in spec.group_axes() else
@@ -257,18 +241,16 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "(— when a side has fewer than two values). Throughput is the mean logged tokens/s; memory the "
                   "peak; gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run "
                   "logged (e.g. evaluation not run, or no gates).", ""]
-    lines += [markdown_table(rows), ""]
+    lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), ""]
     if verdicts:
-        lines += ["## The paper's claims at this scale", ""]
-        lines += [f"- {v.sentence()}" for v in verdicts]
-        lines += ["", "Verdicts compare means; \"significant\" means Welch p < 0.05 over the seeds. They hold for "
+        lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
+                  "Verdicts compare means; \"significant\" means Welch p < 0.05 over the seeds. They hold for "
                   "this ablation's model size and token budget only.", ""]
     if "accuracy_vs_difficulty" in files:
         lines += ["## Accuracy against difficulty", "", "![accuracy vs difficulty](accuracy_vs_difficulty.png)", ""]
-    lines += ["## Learning curves", ""]
-    lines += [f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else
-              "No validation curve was logged.", "", "## Gate heatmaps", ""]
-    lines += ["![gate heatmaps](gate_heatmaps.png)" if "gate_heatmaps" in files else
+    lines += ["## Learning curves", "", f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else
+              "No validation curve was logged.", "", "## Gate heatmaps", "",
+              "![gate heatmaps](gate_heatmaps.png)" if "gate_heatmaps" in files else
               "No cell logged a gate heatmap (no gated architecture, or gate analysis not run).", ""]
     headline = measures.columns[0]
     lines += ["## Runs", "", f"| cell | run | {headline.header} |", "|---|---|---|"]

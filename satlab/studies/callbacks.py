@@ -1,10 +1,7 @@
-"""The Lightning callback that ties one training run to its Optuna trial.
-
-optuna-integration's pruning callback reports once per epoch; satlab validates every ``train.val_every_tokens``
-inside one long epoch, so this callback reports after every validation instead, at ``tokens_seen`` (the pruner's
-step), and stops the run by raising :class:`TrialStopped`, which ``train()`` passes through after closing its MLflow
-run. Under DDP every rank computes the gate statistics (a forward pass is collective under FSDP) and rank 0 decides;
-the decision is broadcast so that all ranks stop together.
+"""The Lightning callback that ties one training run to its Optuna trial. optuna-integration's pruning callback
+reports once per epoch; satlab validates inside one long epoch, so this one reports after every validation, at
+``tokens_seen``. Under DDP every rank computes the gate statistics (a forward pass is collective under FSDP), rank 0
+decides, and the decision is broadcast so that all ranks stop together.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"
 
 
 class TrialStopped(Exception):
-    """Raised inside training to end a trial early; ``pruned`` tells PRUNED (the trial says something about its
-    region) from FAIL (it says nothing, e.g. out of memory)."""
+    """Ends a trial early (``train()`` passes it through after closing its MLflow run); ``pruned`` tells PRUNED (the
+    trial says something about its region) from FAIL (it says nothing, e.g. out of memory)."""
 
     def __init__(self, reason: str, pruned: bool = True, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -36,18 +33,13 @@ class TrialStopped(Exception):
 
 
 class TrialCallback(L.Callback):
-    """Reports the objective metric at tokens seen, prunes when the pruner says so (reason ``pruned``), when the gate
-    saturation stays above the guard's threshold for ``patience`` validations (``gate_saturation``), or when a loss
-    is NaN/Inf (``nan``). ``last_metrics`` keeps every scalar of the latest validation, for the final objective.
-
-    ``trial`` is None on ranks other than 0.
-    """
+    """Stops the run when the pruner says so (``pruned``), when the saturation guard trips (``gate_saturation``) or
+    a loss is NaN/Inf (``nan``). ``last_metrics``: the latest validation's scalars. ``trial``: None off rank 0."""
 
     def __init__(self, trial: optuna.Trial | None, guard: SaturationGuard, gates: EvaluationCallback,
                  metric: str = "val/loss"):
         self.trial, self.guard, self.gates, self.metric = trial, guard, gates, metric
         self.last_metrics: dict[str, float] = {}
-        self.saturation_history: list[float] = []
         self._streak = 0
         self._run_recorded = False
 
@@ -58,10 +50,9 @@ class TrialCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
-        """Stop at the first non-finite training loss, or the first optimizer step the module skipped for a
-        non-finite loss or gradient, rather than at the next validation: in a sweep that learning rate has
-        diverged (a long run may ride out a few such steps; a sweep should not recommend them). The loss check is
-        single-process only: ranks could see it at different micro-batches, so DDP runs leave it to validation."""
+        """Stop at the first non-finite training loss or skipped step, not at the next validation: that learning
+        rate has diverged (a long run may ride out a few such steps; a sweep should not recommend them). The loss
+        check is single-process only: ranks could see it at different micro-batches."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if trainer.world_size == 1 and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all():
             raise TrialStopped("nan", detail=f"training loss {loss.item()} at {pl_module.tokens_seen:,} tokens")
@@ -81,7 +72,7 @@ class TrialCallback(L.Callback):
             raise TrialStopped(*decision)
 
     def _decide(self, tokens: int, saturation: float | None) -> tuple[str, bool, str] | None:
-        """(reason, pruned, detail) when the trial should stop now, else None. Rank 0 only."""
+        """(reason, pruned, detail) when the trial should stop now. Rank 0 only."""
         value = self.last_metrics.get(self.metric)
         if value is not None and not math.isfinite(value):
             return "nan", True, f"{self.metric} = {value} at {tokens:,} tokens"
@@ -92,7 +83,6 @@ class TrialCallback(L.Callback):
             self.trial.report(value, step=tokens)
         if saturation is not None:
             self.trial.set_user_attr(SATURATION, saturation)
-            self.saturation_history.append(saturation)
             above = self.guard.threshold is not None and saturation > self.guard.threshold
             self._streak = self._streak + 1 if above else 0
             if self._streak >= self.guard.patience:

@@ -1,12 +1,8 @@
 """One trial in its own process: ``SATLAB_STUDY_STORAGE=<url> python -m satlab.studies.child experiment=<file>``
-(under ``torchrun`` for a multi-GPU trial). The file is the trial's resolved experiment, the same one
-``satlab train experiment=<file>`` runs by hand; its tags name the study and the trial number.
-
-This trains exactly like ``satlab train`` (evaluation included), with :class:`~satlab.studies.callbacks.TrialCallback`
-reporting to the trial and pruning it, and writes what happened into the trial's user attributes
-(``objective_value`` or ``reason``). The exit code tells the driver how it ended (0 complete, 3 pruned, 4 failed
-with a recorded reason, 5 the driver died). A process of its own per trial means a crash, an out-of-memory kill or
-a leaked CUDA context ends one trial only.
+(under ``torchrun`` for a multi-GPU trial), where the file is the trial's resolved experiment, whose tags name the
+study and the trial. It trains like ``satlab train``, writes the outcome into the trial's user attributes and tells
+the driver how it ended by its exit code (:mod:`satlab.studies.attrs`). A process per trial means a crash, an
+out-of-memory kill or a leaked CUDA context ends one trial only.
 """
 
 from __future__ import annotations
@@ -23,19 +19,7 @@ import torch
 
 from satlab.config.loader import load_experiment
 from satlab.evaluation.callback import EvaluationCallback
-from satlab.studies.attrs import (
-    DRIVER_ENV,
-    EXIT_COMPLETE,
-    EXIT_FAILED,
-    EXIT_PRUNED,
-    EXIT_WORKER_LOST,
-    KIND,
-    PID,
-    REASON,
-    SPEC,
-    STORAGE_ENV,
-    VALUE,
-)
+from satlab.studies import attrs as A
 from satlab.studies.callbacks import TrialCallback, TrialStopped
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.plans import make_pruner
@@ -47,14 +31,16 @@ from satlab.training.run import train
 
 
 def watch_driver(pid: int, on_lost) -> None:
-    """Exit when the driver that launched this trial is gone (SIGKILL, a pre-empted host...): the trial would
-    otherwise train on, unreported. Polling the pid also covers the ranks under torchrun, whose parent is torchrun."""
+    """Exit when the driver is gone (SIGKILL, a pre-empted host...): the trial would otherwise train on, unreported.
+    Polling the pid also covers the ranks under torchrun, whose parent is torchrun."""
 
     def watch() -> None:
         while pid_alive(pid):
             time.sleep(1.0)
-        on_lost()
-        os._exit(EXIT_WORKER_LOST)
+        try:
+            on_lost()
+        finally:
+            os._exit(A.EXIT_WORKER_LOST)
 
     threading.Thread(target=watch, name="satlab-driver-watch", daemon=True).start()
 
@@ -67,10 +53,10 @@ def is_oom(error: BaseException) -> bool:
 
 def run_trial(experiment: str) -> int:
     cfg = load_experiment(experiment)
-    storage = open_storage(os.environ[STORAGE_ENV], create_tables=False)
+    storage = open_storage(os.environ[A.STORAGE_ENV], create_tables=False)
     name = cfg.tracking.tags[STUDY_TAG]
     info = storage.get_study_user_attrs(storage.get_study_id_from_name(name))
-    spec = spec_from_dict(KINDS[info[KIND]], info[SPEC], f"the spec stored on study {name}")
+    spec = spec_from_dict(KINDS[info[A.KIND]], info[A.SPEC], f"the spec stored on study {name}")
     search = isinstance(spec, SweepSpec)
     pruner = make_pruner(spec) if search else optuna.pruners.NopPruner()
     study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler(),
@@ -81,12 +67,12 @@ def run_trial(experiment: str) -> int:
 
     def record(reason: str) -> None:
         if rank_zero:
-            trial.set_user_attr(REASON, reason[:500])
+            trial.set_user_attr(A.REASON, reason[:500])
 
-    if os.environ.get(DRIVER_ENV):
-        watch_driver(int(os.environ[DRIVER_ENV]), lambda: record("worker_lost"))
+    if os.environ.get(A.DRIVER_ENV):
+        watch_driver(int(os.environ[A.DRIVER_ENV]), lambda: record("worker_lost"))
     if rank_zero:
-        trial.set_user_attr(PID, os.getpid())
+        trial.set_user_attr(A.PID, os.getpid())
     metric = spec.objective.metric if search else "val/loss"
     guard = spec.saturation if search else SaturationGuard(threshold=None)
     evaluation = EvaluationCallback(cfg)  # runs first: its gate statistics are logged, and guard the trial
@@ -96,22 +82,22 @@ def run_trial(experiment: str) -> int:
     except TrialStopped as stop:
         print(f"trial {trial.number} stopped: {stop}", flush=True)
         record(stop.reason)
-        return EXIT_PRUNED if stop.pruned else EXIT_FAILED
+        return A.EXIT_PRUNED if stop.pruned else A.EXIT_FAILED
     except Exception as error:
         traceback.print_exc()
         record("oom" if is_oom(error) else f"error: {type(error).__name__}: {error}")
-        return EXIT_FAILED
+        return A.EXIT_FAILED
     value = result.final_val_loss if metric == "val/loss" and result.final_val_loss is not None \
         else callback.last_metrics.get(metric)
     if value is None:
         record(f"metric '{metric}' was never logged; logged: {', '.join(sorted(callback.last_metrics))}")
-        return EXIT_FAILED
+        return A.EXIT_FAILED
     if not math.isfinite(value):
         record("nan")
-        return EXIT_PRUNED
+        return A.EXIT_PRUNED
     if rank_zero:
-        trial.set_user_attr(VALUE, value)
-    return EXIT_COMPLETE
+        trial.set_user_attr(A.VALUE, value)
+    return A.EXIT_COMPLETE
 
 
 def main(argv: list[str] | None = None) -> int:

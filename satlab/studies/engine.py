@@ -1,12 +1,10 @@
-"""Running a study: :func:`run_study` is ``satlab sweep`` and ``satlab ablate`` (and ``make sweep / ablate /
-reproduce``).
+"""Running a study (``satlab sweep``, ``satlab ablate``): its storage, study and MLflow parent run, the workers
+(:mod:`satlab.studies.workers`) and the report.
 
-This module opens the study, its storage and its MLflow parent run, reconciles an ablation's cells with MLflow's
-record, runs the workers (:mod:`satlab.studies.workers`) and writes the report. The same command on another host with
-the same storage joins the study: a sweep adds its trials, an ablation takes the next cell nobody has and waits
-while others run (a cell whose worker dies is failed by heartbeat and retried). A re-run resumes: killed cells
-continue from their checkpoint in the same MLflow run, failed ones and those whose MLflow record was deleted run
-again, finished ones are skipped.
+The same command on another host with the same storage joins the study: a sweep adds its trials, an ablation takes
+the next cell nobody has and waits while others run (a cell whose worker dies is failed by heartbeat and retried).
+A re-run resumes: killed cells continue from their checkpoint in the same MLflow run, failed ones and those whose
+MLflow record was deleted run again, finished ones are skipped.
 """
 
 from __future__ import annotations
@@ -27,13 +25,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
 from satlab.studies import attrs as A
 from satlab.studies.plans import GridPlan, Plan, SearchPlan
-from satlab.studies.runs import (
-    create_parent_run,
-    find_parent_run,
-    finished_cells,
-    save_spec,
-    usable_run,
-)
+from satlab.studies.runs import create_parent_run, find_parent_run, finished_cells, save_spec, usable_run
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.storage import open_storage, safe_url
@@ -41,8 +33,7 @@ from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local
 from satlab.training.chatter import library_chatter_to
 from satlab.training.tracking import ensure_reachable, open_store, resolve_tracking
 
-STUDY_LOG = "study.log"
-"""The libraries' notices of a study's driver, in its folder (each trial's are in its run folder's train.log)."""
+STUDY_LOG = "study.log"  # the libraries' notices of the driver; each trial's are in its run folder's train.log
 
 
 @dataclass
@@ -60,9 +51,8 @@ class StudyResult:
 
 def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, storage: str | None = None,
               console: Console | None = None, report: bool = True) -> StudyResult:
-    """Run (or resume, or join) the study, close its parent run, and write the report. The data, the storage and
-    the MLflow store are prepared here, before any trial process opens them (two processes creating one sqlite
-    database race)."""
+    """Run (or resume, or join) the study and write the report. The data, the storage and the MLflow store are
+    prepared here, before any trial process opens them (two processes creating one sqlite database race)."""
     console = console or Console()
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # heartbeats, retries, constraints
     base = spec.base_config()
@@ -95,15 +85,15 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
     runner = TrialRunner(spec, plan, study, client, parent_id, uri, state, workers, console)
     fail_dead_local_trials(study, retry)
-    done = reconcile_cells(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
-    before = f"{len(plan.cells)} cells, {len(done)} finished before, " if isinstance(plan, GridPlan) else \
-        f"{plan.n_trials} trial(s) to add, "
+    grid = isinstance(plan, GridPlan)
+    done = reconcile_cells(study, plan, client, parent_id, state) if grid else {}
+    before = f"{len(plan.cells)} cells, {len(done)} finished before, " if grid else f"{plan.n_trials} trial(s) to add, "
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
                   f"'{spec.experiment_name}', parent run {parent_id}; logs in {runner.logs}", soft_wrap=True)
     interrupted = runner.run_all(retry)
-    finished = finished_cells(client, parent_id) if isinstance(plan, GridPlan) else {}
-    complete = not isinstance(plan, GridPlan) or all(k in finished for k in plan.cells)
+    finished = finished_cells(client, parent_id) if grid else {}
+    complete = not grid or all(k in finished for k in plan.cells)
     client.set_terminated(parent_id, "FINISHED" if complete and not interrupted else
                           "KILLED" if interrupted else "FAILED")
     result = StudyResult(spec.name, spec.storage, uri, parent_id, interrupted, list(done), runner.finished,
@@ -130,8 +120,8 @@ def prepare_data_once(spec: StudySpec, base: ExperimentConfig, console: Console)
 
 
 def open_study(spec: StudySpec, plan: Plan, storage: optuna.storages.RDBStorage) -> tuple[optuna.Study, bool]:
-    """Create the study, or join the existing one of the same name (another host, or a re-run); whether this
-    process created it (then it makes the parent run: creating a study is atomic in the storage)."""
+    """Create the study or join the one of the same name; whether this process created it (then it makes the parent
+    run: creating a study is atomic in the storage)."""
     kwargs = dict(study_name=plan.study_name(), storage=storage, sampler=plan.sampler(), pruner=plan.pruner())
     try:
         study, created = optuna.create_study(direction=plan.direction(), **kwargs), True
@@ -160,23 +150,21 @@ def open_study(spec: StudySpec, plan: Plan, storage: optuna.storages.RDBStorage)
 
 def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: StudySpec, tracking_uri: str,
                       artifacts: str | None, created: bool) -> str:
-    """The study's parent run: the one recorded on the study (re-runs and other hosts resume it; a joining host
-    waits for the creator to record it), else a new one, recorded on the study."""
+    """The parent run recorded on the study (a joining host waits for the creator to record it), else a new one."""
     deadline = time.monotonic() + (0 if created else 60)
     while True:
         attrs = optuna.load_study(study_name=study.study_name, storage=study._storage).user_attrs
         run_id = attrs.get(A.PARENT_RUN)
         if run_id and attrs.get(A.TRACKING_URI) == tracking_uri and usable_run(client, run_id) is not None:
-            client.update_run(run_id, status="RUNNING")
             break
         if run_id or time.monotonic() >= deadline:  # recorded for another store, deleted, or never recorded
             found = find_parent_run(client, spec) if isinstance(spec, AblationSpec) else None  # one from before
             run_id = found.info.run_id if found is not None else create_parent_run(client, spec, artifacts)
-            client.update_run(run_id, status="RUNNING")
             study.set_user_attr(A.PARENT_RUN, run_id)
             study.set_user_attr(A.TRACKING_URI, tracking_uri)
             break
         time.sleep(1.0)
+    client.update_run(run_id, status="RUNNING")
     save_spec(client, run_id, spec)
     return run_id
 

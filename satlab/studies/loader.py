@@ -1,11 +1,8 @@
-"""Reading study specs: YAML through OmegaConf, the command line's ``key=value`` items, then the same structured
-validator as experiment configs (:mod:`satlab.config.structured`), so every problem is reported at once with "did
-you mean". The base experiment is then loaded with the fixed overrides and with every value a trial can get, so a
-bad key or value fails before the first trial runs rather than inside one.
+"""Reading study specs: YAML and command-line items through the experiment configs' structured validator, then a
+load of the base experiment with every value a trial can get, so a bad key or value fails before the first trial.
 
-An item whose first part is a spec field sets the spec (``n_trials=4``, ``space.optim.lr.high=1e-2``,
-``axes.train.seed=[0,1]``); for an ablation any other item is a config override for every cell
-(``train.max_tokens=1e5``), for a sweep it is an error (write it as ``overrides.train.max_tokens=1e5``).
+An item whose first part is a spec field sets the spec (``n_trials=4``, ``space.optim.lr.high=1e-2``); for an
+ablation any other item overrides the config of every cell, for a sweep it is an error (``overrides.<key>=...``).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ def list_specs(kind: type[StudySpec], root: Path | None = None) -> list[str]:
 
 
 def load_spec(kind: type[S], name_or_path: str | Path, items: Sequence[str] = ()) -> S:
-    """The validated spec of a name (``lr_tiny``, ``arch_tiny``) or YAML file, with command-line items, checked
-    against the base experiment."""
+    """The spec of a name (``lr_tiny``) or YAML file, with command-line items, checked against the base experiment."""
     path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix)
     spec = spec_from_dict(kind, apply_items(kind, data, items), source=short_path(path))
     check_against_config(spec)
@@ -61,7 +57,6 @@ def load_ablation(name_or_path: str | Path, items: Sequence[str] = ()) -> Ablati
 
 
 def apply_items(kind: type[StudySpec], data: Mapping[str, Any], items: Sequence[str]) -> dict[str, Any]:
-    """``data`` with the command line's items merged in (mapping fields by dotted key)."""
     fields = {f.name: f for f in dataclasses.fields(kind)}
     out = {k: flatten_mapping(v, fields[k].metadata.get("leaf")) if _is_mapping_field(kind, k)
            and isinstance(v, Mapping) else v for k, v in data.items()}
@@ -101,7 +96,7 @@ def apply_items(kind: type[StudySpec], data: Mapping[str, Any], items: Sequence[
 
 
 def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = None) -> S:
-    """A structurally validated spec from a plain dict (a YAML file's, or :meth:`StudySpec.to_dict`'s)."""
+    """A validated spec from a plain dict (a YAML file's, or :meth:`StudySpec.to_dict`'s)."""
     source = source or kind.kind
     problems: list[str] = []
     if kind is SweepSpec and "space" not in data:
@@ -129,8 +124,8 @@ def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = 
 
 
 def check_against_config(spec: StudySpec) -> None:
-    """Load the base experiment with the fixed overrides, then with every value a trial can get (each searched
-    range's ends and choices, each axis value): unknown keys and bad values are reported at once."""
+    """Load the base experiment with the fixed overrides, then with each value a trial can get (range ends, choices,
+    axis values), reporting every unknown key and bad value at once."""
     try:
         cfg = spec.base_config()
     except ConfigError as e:

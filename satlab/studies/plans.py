@@ -1,6 +1,5 @@
 """How each kind of study chooses its trials: a sweep samples them (TPE or random, with pruning), an ablation
-enumerates its grid (Optuna's GridSampler over the axes, seeds included). Everything else, the storage, the
-workers, the trial processes and the MLflow runs, is the same engine (:mod:`satlab.studies.engine`)."""
+enumerates its grid; everything else is the same engine (:mod:`satlab.studies.engine`)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ CONSTRAINT = "gate_saturation"
 
 @dataclass
 class Point:
-    """What one trial runs: its key (a cell's, or ``t0007``), run name, run tags and whether it resumes."""
+    """What one trial runs: its key (a cell's, or ``t0007``), file names, run tags and whether it resumes."""
 
     key: str
     slug: str
@@ -30,9 +29,7 @@ class Point:
 
 
 def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
-    """Steps are tokens seen, so warm-up and Hyperband's resources are token counts. When ``model.arch`` is searched
-    the median pruner compares each trial with trials of its own architecture (Hyperband's brackets stay
-    study-wide)."""
+    """Steps are tokens seen, so warm-up and Hyperband's resources are token counts (its brackets stay study-wide)."""
     p = spec.pruner
     if p.name == "median":
         median = optuna.pruners.MedianPruner(n_startup_trials=p.n_startup_trials, n_warmup_steps=p.warmup_tokens)
@@ -55,7 +52,7 @@ class SameArchitecturePruner(optuna.pruners.BasePruner):
 
 
 class _SameArchitecture:
-    """A view of a study whose trials are those of one architecture (all a percentile pruner reads)."""
+    """A study whose trials are those of one architecture (all a percentile pruner reads)."""
 
     def __init__(self, study: optuna.Study, arch: Any):
         self._study, self._arch = study, arch
@@ -69,29 +66,25 @@ class _SameArchitecture:
 
 
 class CellGrid(optuna.samplers.GridSampler):
-    """Optuna's GridSampler with its grid in the spec's cell order, seeds slowest. GridSampler gives trial n the
-    n-th grid point of a shuffled list; an interrupted ablation should leave whole replicates of the grid instead,
-    and there is no option for the order, so the list is set here (``_all_grids`` over ``_param_names``)."""
+    """GridSampler in the spec's cell order, seeds slowest, so an interrupted ablation leaves whole replicates.
+    GridSampler shuffles its grid and has no option for the order, so the list is set here (``_all_grids``)."""
 
     def __init__(self, spec: AblationSpec):
         super().__init__({k: list(v) for k, v in spec.axes.items()}, seed=0)
         self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in spec.run_order()]
 
     def system_attrs(self, params: dict[str, Any]) -> dict[str, Any]:
-        """What GridSampler records on a trial of grid point ``params`` (to enter a finished cell by hand)."""
+        """What GridSampler records on a trial of ``params`` (to enter a finished cell by hand)."""
         point = tuple(params[k] for k in self._param_names)
         return {"search_space": self._search_space, "grid_id": self._all_grids.index(point)}
 
 
 class SearchPlan:
-    """A sweep: trials sampled, ``n_trials`` of them per invocation."""
-
     def __init__(self, spec: SweepSpec, base_arch: str, n_trials: int):
         self.spec, self.base_arch, self.n_trials = spec, base_arch, n_trials
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        """TPE (multivariate, grouped for the per-architecture parameters, constant liar for parallel workers) or
-        random search. TPE treats a trial whose ``gate_saturation`` constraint is positive as infeasible."""
+        """TPE grouped for the per-architecture parameters, with a constant liar for parallel workers."""
         if self.spec.sampler.name == "random":
             return optuna.samplers.RandomSampler(seed=self.spec.sampler.seed)
         with warnings.catch_warnings():
@@ -106,7 +99,7 @@ class SearchPlan:
         return self.spec.objective.direction
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """``model.arch`` first, then the parameters that apply to that architecture."""
+        """``model.arch`` first: it decides which of the other parameters apply."""
         params: dict[str, Any] = {}
         if "model.arch" in self.spec.space:
             params["model.arch"] = suggest_one(trial, "model.arch", self.spec.space["model.arch"])
@@ -126,15 +119,15 @@ class SearchPlan:
         return "run" if launched < self.n_trials else "done"
 
     def record_constraint(self, trial: optuna.Trial, saturation: float | None) -> None:
-        """The saturation guard as an Optuna constraint: saturated fraction minus threshold, feasible when <= 0."""
+        """Feasible (for TPE) when the saturated fraction is at most the threshold."""
         guard = self.spec.saturation
         if guard.threshold is not None and guard.constraint:
             trial.set_constraint(CONSTRAINT, float(saturation or 0.0) - guard.threshold)
 
 
 class GridPlan:
-    """An ablation: the grid's cells, each once; a worker with none left waits while others train (one may die
-    and need a retry)."""
+    """An ablation: each cell once; a worker with none left waits while others train (one may die and need a
+    retry)."""
 
     def __init__(self, spec: AblationSpec):
         self.spec = spec
@@ -163,7 +156,7 @@ class GridPlan:
         return Point(cell.key, cell.slug, {CELL_TAG: cell.key, GROUP_TAG: cell.group}, resume="auto")
 
     def trials_by_cell(self, study: optuna.Study) -> dict[str, list[FrozenTrial]]:
-        """Each cell's trials, those that do not count (duplicates, records deleted) left out."""
+        """Each cell's trials, less those that do not count (duplicates, superseded)."""
         out: dict[str, list[FrozenTrial]] = {key: [] for key in self.cells}
         superseded = set(study.user_attrs.get(SUPERSEDED, []))
         for trial in study.get_trials(deepcopy=False):

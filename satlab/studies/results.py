@@ -1,9 +1,6 @@
-"""Reading an ablation's results back from MLflow: per cell its final metrics, learning curve and gate heatmap,
-grouped over seeds. Only FINISHED child runs count (the newest one per cell); a metric a run never logged stays
-None, so the report can show it as missing rather than as zero (for ``recall/steps_to_*``: not reached).
-
-Language-model ablations report :data:`COLUMNS` with the validation-loss curve; ablations of a synthetic recall task
-(``data.source=synthetic:mqar``) report :data:`RECALL_COLUMNS` with the held-out accuracy curve."""
+"""An ablation's results read back from MLflow: per cell its final metrics, learning curve and gate heatmap, grouped
+over seeds. Only FINISHED child runs count (the newest per cell); a metric a run never logged stays None, shown as
+missing rather than as zero (for ``recall/steps_to_*``: not reached)."""
 
 from __future__ import annotations
 
@@ -22,31 +19,13 @@ from satlab.studies.spec import AblationSpec, Cell
 
 @dataclass(frozen=True)
 class Column:
-    """A reported metric: its MLflow key and how a run's history becomes one number (last, mean or max)."""
+    """A reported measure: its MLflow key and how a run's history becomes one number (last, mean or max)."""
 
     name: str
     header: str
     key: str
     reduce: str
     fmt: str
-
-
-COLUMNS = (
-    Column("val_loss", "final val loss", "val/loss", "last", "{:.4f}"),
-    Column("zero_shot", "zero-shot avg", "zero_shot/offline_zero_shot_avg", "last", "{:.3f}"),
-    Column("retrieval", "retrieval avg", "zero_shot/offline_retrieval_avg", "last", "{:.3f}"),
-    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
-    Column("peak_mem_gb", "peak mem (GB)", "system/peak_mem_gb", "max", "{:.2f}"),
-    Column("gate_sparsity", "gate sparsity", "val/gates/sparsity", "last", "{:.2f}"),
-)
-RECALL_COLUMNS = (
-    Column("recall_acc", "held-out acc", "recall/acc", "last", "{:.3f}"),
-    Column("recall_best", "best acc", "recall/acc", "max", "{:.3f}"),
-    Column("steps_to_0.9", "steps to 0.9", "recall/steps_to_0.9", "last", "{:,.0f}"),
-    Column("steps_to_0.99", "steps to 0.99", "recall/steps_to_0.99", "last", "{:,.0f}"),
-    Column("val_loss", "answer loss", "val/loss", "last", "{:.3f}"),
-    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
-)
 
 
 @dataclass(frozen=True)
@@ -58,12 +37,25 @@ class Measures:
     curve_label: str
 
 
-LM_MEASURES = Measures(COLUMNS, "val/loss", "validation loss")
-RECALL_MEASURES = Measures(RECALL_COLUMNS, "recall/acc", "held-out recall accuracy")
+LM_MEASURES = Measures((
+    Column("val_loss", "final val loss", "val/loss", "last", "{:.4f}"),
+    Column("zero_shot", "zero-shot avg", "zero_shot/offline_zero_shot_avg", "last", "{:.3f}"),
+    Column("retrieval", "retrieval avg", "zero_shot/offline_retrieval_avg", "last", "{:.3f}"),
+    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
+    Column("peak_mem_gb", "peak mem (GB)", "system/peak_mem_gb", "max", "{:.2f}"),
+    Column("gate_sparsity", "gate sparsity", "val/gates/sparsity", "last", "{:.2f}"),
+), "val/loss", "validation loss")
+RECALL_MEASURES = Measures((  # an ablation of a synthetic recall task (data.source=synthetic:mqar)
+    Column("recall_acc", "held-out acc", "recall/acc", "last", "{:.3f}"),
+    Column("recall_best", "best acc", "recall/acc", "max", "{:.3f}"),
+    Column("steps_to_0.9", "steps to 0.9", "recall/steps_to_0.9", "last", "{:,.0f}"),
+    Column("steps_to_0.99", "steps to 0.99", "recall/steps_to_0.99", "last", "{:,.0f}"),
+    Column("val_loss", "answer loss", "val/loss", "last", "{:.3f}"),
+    Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
+), "recall/acc", "held-out recall accuracy")
 
 
 def measures_for(spec: AblationSpec) -> Measures:
-    """Recall columns for an ablation of a synthetic recall task, language-model columns otherwise."""
     return RECALL_MEASURES if spec.base_config().data.synthetic_task else LM_MEASURES
 
 
@@ -73,7 +65,7 @@ class CellResult:
     run_id: str
     metrics: dict[str, float | None]
     params: int | None
-    curve: list[tuple[float, float]]  # (tokens seen, the curve metric: val/loss or recall/acc)
+    curve: list[tuple[float, float]]  # (tokens seen, the curve metric)
 
 
 @dataclass
@@ -95,10 +87,9 @@ class GroupResult:
 
 def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
             measures: Measures = LM_MEASURES) -> list[GroupResult]:
-    """Every group of the grid in grid order (groups with no finished cell included, empty)."""
-    parent = client.get_run(parent_run_id)
+    """Every group of the grid in grid order, those with no finished cell included (empty)."""
     runs: dict[str, Run] = {}
-    for run in child_runs(client, parent):  # oldest first: a rerun cell's newer run wins
+    for run in child_runs(client, client.get_run(parent_run_id)):  # oldest first: a rerun cell's newer run wins
         if CELL_TAG in run.data.tags:
             runs[run.data.tags[CELL_TAG]] = run
     groups: dict[str, GroupResult] = {}
@@ -111,17 +102,14 @@ def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
 
 
 def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run, measures: Measures = LM_MEASURES) -> CellResult:
-    run_id = run.info.run_id
+    run_id, logged, params = run.info.run_id, run.data.metrics, run.data.params
     metrics: dict[str, float | None] = {}
     for column in measures.columns:
-        if column.key not in run.data.metrics:
-            metrics[column.name] = None
-        elif column.reduce == "last":
-            metrics[column.name] = run.data.metrics[column.key]
+        if column.key not in logged or column.reduce == "last":
+            metrics[column.name] = logged.get(column.key)
         else:
             history = [m.value for m in client.get_metric_history(run_id, column.key)]
             metrics[column.name] = sum(history) / len(history) if column.reduce == "mean" else max(history)
-    params = run.data.params
     curve = loss_curve(client, run_id, float(params.get("derived.tokens_per_step") or 0),
                        int(params.get("derived.max_steps") or 0), measures.curve_key)
     count = params.get("model.params")
@@ -130,10 +118,9 @@ def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run, measures: Mea
 
 def loss_curve(client: mlflow.MlflowClient, run_id: str, tokens_per_step: float,
                max_steps: int, key: str = "val/loss") -> list[tuple[float, float]]:
-    """A validation metric (``val/loss``) against tokens seen. Lightning logs a validation inside training at the
-    index of the step it follows (after s + 1 optimizer steps, where ``tokens_seen`` is logged too), the one before
-    training at step 0 and the one after it at step ``max_steps`` (or after the step a run stopped early at, which
-    repeats the last point)."""
+    """A validation metric against tokens seen. Lightning logs a validation inside training at the index of the step
+    it follows (after s + 1 optimizer steps), the one before training at step 0 and the one after it at
+    ``max_steps`` (or at the step a run stopped early at, which repeats the last point)."""
     history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     points = []
     for i, metric in enumerate(history):
@@ -144,7 +131,7 @@ def loss_curve(client: mlflow.MlflowClient, run_id: str, tokens_per_step: float,
 
 def download_heatmap(client: mlflow.MlflowClient, run_id: str, target: Path) -> Path | None:
     """The run's newest gate heatmap (``gates/step_<n>/heatmap.png``, highest n) copied to ``target``; None when the
-    run logged none (an architecture without gates, or gate analysis not run)."""
+    run logged none."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file: no bar per download
     steps = []
     for entry in client.list_artifacts(run_id, "gates"):

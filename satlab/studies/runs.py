@@ -1,9 +1,8 @@
-"""A study's MLflow runs: one parent run per study, one child run per trial (an ablation cell is a trial).
+"""A study's MLflow runs: one parent run per study (the spec and the report), one child run per trial.
 
-A child run is made by ``satlab train`` inside the trial process, tagged through its config (``mlflow.parentRunId``,
-``optuna.study``, ``optuna.trial_number``, and for a cell ``satlab.ablation.cell``); the driver closes it with the
-trial's outcome, and makes a failed one for a trial that died before training began. The parent carries the spec
-(params and the spec file as run) and the report. A FINISHED child with a cell's key is that cell's record.
+A child run is made by ``satlab train`` in the trial process, tagged through its config; the driver closes it with
+the trial's outcome (or makes a failed one for a trial that died before training began). A FINISHED child with a
+cell's key is that cell's record.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
 
 def usable_run(client: mlflow.MlflowClient, run_id: str | None) -> Run | None:
-    """The run, unless it does not exist or was deleted."""
+    """None when the run does not exist or was deleted."""
     if not run_id:
         return None
     try:
@@ -48,7 +47,7 @@ def usable_run(client: mlflow.MlflowClient, run_id: str | None) -> Run | None:
 
 
 def create_parent_run(client: mlflow.MlflowClient, spec: StudySpec, artifact_location: str | None) -> str:
-    """A new parent run with the spec as params and tags that find it again (``satlab report``)."""
+    """Tagged so that ``satlab report`` finds it again."""
     rev, dirty = git_revision()
     tags = {STUDY_TAG: spec.name, ROLE_TAG: "parent", "satlab.study.kind": spec.kind, "git_revision": rev,
             "git_dirty": str(dirty).lower(), "command": " ".join(sys.argv)}
@@ -63,7 +62,6 @@ def create_parent_run(client: mlflow.MlflowClient, spec: StudySpec, artifact_loc
 
 
 def parent_params(spec: StudySpec) -> dict[str, Any]:
-    """The spec flattened for the parent run."""
     def describe(section: Any) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(section).items() if v is not None)
 
@@ -82,13 +80,13 @@ def parent_params(spec: StudySpec) -> dict[str, Any]:
 
 
 def save_spec(client: mlflow.MlflowClient, run_id: str, spec: StudySpec) -> None:
-    """The spec as run (command-line items included, password masked) on the parent run."""
+    """The spec as run: command-line items included, password masked."""
     shown = dataclasses.replace(spec, storage=safe_url(spec.storage_url()))
     client.log_text(run_id, yaml.safe_dump(shown.to_dict(), sort_keys=False), spec.spec_artifact)
 
 
 def find_parent_run(client: mlflow.MlflowClient, spec: AblationSpec, same_settings: bool = True) -> Run | None:
-    """The newest active parent run of this ablation in its experiment (with the same fingerprint by default)."""
+    """The newest active parent run of this ablation (with the same fingerprint by default)."""
     experiment = client.get_experiment_by_name(spec.experiment_name)
     if experiment is None:
         return None
@@ -111,8 +109,7 @@ def child_runs(client: mlflow.MlflowClient, parent: Run, finished_only: bool = T
         page = client.search_runs([parent.info.experiment_id], query, order_by=["attributes.start_time ASC"],
                                   max_results=1000, page_token=token)
         runs.extend(page)
-        token = page.token
-        if not token:
+        if not (token := page.token):
             return runs
 
 
@@ -124,7 +121,6 @@ def finished_cells(client: mlflow.MlflowClient, parent_run_id: str) -> dict[str,
 
 
 def end_run(client: mlflow.MlflowClient, run_id: str | None, status: str) -> None:
-    """End a run left RUNNING (its process was killed) with ``status``."""
     run = usable_run(client, run_id)
     if run is not None and run.info.status == "RUNNING":
         client.set_terminated(run.info.run_id, status)
@@ -133,7 +129,7 @@ def end_run(client: mlflow.MlflowClient, run_id: str | None, status: str) -> Non
 def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name: str, trial: FrozenTrial,
                     run_id: str | None, reason: str | None, log_file: Path | None) -> str:
     """Tag the trial's run (made here if the trial died before opening one) with its Optuna state and reason, attach
-    the trial log, and set the matching status (COMPLETE -> FINISHED, PRUNED -> KILLED, FAIL -> FAILED)."""
+    the trial log, and end it with the matching status."""
     state = trial.state.name
     if usable_run(client, run_id) is None:
         parent = client.get_run(parent_run_id)
@@ -155,7 +151,6 @@ def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name:
 
 
 def read_run_id(run_dir: Path) -> str | None:
-    """The MLflow run id a training run directory's ``run.json`` names (None when there is none)."""
     info = run_dir / "run.json"
     try:
         return json.loads(info.read_text()).get("mlflow_run_id") if info.exists() else None

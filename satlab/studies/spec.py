@@ -1,9 +1,6 @@
-"""Study specs: what a sweep searches (``sweeps/*.yaml``) and what an ablation's grid holds
-(``experiments/ablations/*.yml``; the ``.yml`` suffix keeps them out of the experiment presets). Both start every
-trial from a base experiment with fixed overrides; they differ in how trials are chosen. The file formats, every
-key with its default, are in the README ("Sweeps" and "Reproducing the paper, and ablations"). Ranges and choices
-are declared on the fields (``metadata``) and checked by :func:`satlab.config.structured.field_problems`.
-"""
+"""Study specs: sweeps (``sweeps/*.yaml``) and ablation grids (``experiments/ablations/*.yml``: the ``.yml``
+suffix keeps them out of the experiment presets). The formats are in the README; ranges and choices are declared on
+the fields (``metadata``) and checked by :func:`satlab.config.structured.field_problems`."""
 
 from __future__ import annotations
 
@@ -50,20 +47,13 @@ def format_value(value: Any) -> str:
     return json.dumps(value)
 
 
-def override_items(values: Mapping[str, Any]) -> list[str]:
-    """``key=value`` overrides for the experiment loader from dotted keys and Python values."""
-    return [f"{key}={format_value(value)}" for key, value in values.items()]
-
-
 def is_param(value: Any) -> bool:
-    """Whether a mapping of a ``space`` section is one parameter (rather than a level of nesting)."""
+    """Whether a mapping under ``space`` is one parameter rather than a level of nesting."""
     return isinstance(value, Mapping) and any(k in value for k in PARAM_KEYS)
 
 
 @dataclass
 class Param:
-    """One searched config key: a float or int range (``log`` for log-uniform, optional ``step``) or choices."""
-
     type: str = field(default="float", metadata={"choices": ("float", "int", "categorical")})
     low: float | None = None
     high: float | None = None
@@ -72,7 +62,7 @@ class Param:
     choices: list[Any] | None = None
 
     def extremes(self) -> list[Any]:
-        """The values that bound what a trial can get: both ends of a range, or every choice."""
+        """Both ends of a range, or every choice: what the config check tries."""
         return list(self.choices or []) if self.type == "categorical" else [self.low, self.high]
 
     def problems(self) -> list[str]:
@@ -94,8 +84,6 @@ class Param:
 
 @dataclass
 class Objective:
-    """The metric a trial returns (its final value, e.g. final ``val/loss``) and which way is better."""
-
     metric: str = "val/loss"
     direction: str = field(default="minimize", metadata={"choices": ("minimize", "maximize")})
 
@@ -109,10 +97,8 @@ class SamplerSpec:
 
 @dataclass
 class PrunerSpec:
-    """``median``: prune below the median of earlier trials (of the same architecture when ``model.arch`` is
-    searched) at the same token count, after ``warmup_tokens`` and ``n_startup_trials`` finished trials;
-    ``hyperband``: successive halving from ``min_tokens`` (default: the base config's ``train.val_every_tokens``);
-    ``none``. Steps are tokens seen: trials compare at equal token counts."""
+    """Steps are tokens seen, so trials compare at equal token counts; ``min_tokens`` (Hyperband's) defaults to the
+    base config's ``train.val_every_tokens``."""
 
     name: str = field(default="median", metadata={"choices": ("median", "hyperband", "none"), "label": "pruner"})
     warmup_tokens: int = field(default=0, metadata=_range(0, 10**15))
@@ -123,9 +109,8 @@ class PrunerSpec:
 
 @dataclass
 class SaturationGuard:
-    """Prune a trial whose ``val/gates/saturated_frac`` (on ``windows`` fixed validation windows) stays above
-    ``threshold`` for ``patience`` validations in a row; ``constraint`` also tells the sampler about it.
-    ``threshold: null`` turns the guard off."""
+    """Prune a trial whose ``val/gates/saturated_frac`` stays above ``threshold`` for ``patience`` validations;
+    ``constraint`` also tells the sampler; ``threshold: null`` turns the guard off."""
 
     threshold: float | None = field(default=0.5, metadata=_range(0, 1))
     patience: int = field(default=2, metadata=_range(1, 10**6))
@@ -135,8 +120,7 @@ class SaturationGuard:
 
 @dataclass
 class TrialSettings:
-    """How each trial runs: heartbeats (a trial whose driver stops beating for ``grace_seconds`` is failed and
-    retried up to ``max_retry`` times), CPU threads (default: cores / workers) and, for sweeps, a time limit."""
+    """A trial whose driver stops beating for ``grace_seconds`` is failed and retried up to ``max_retry`` times."""
 
     heartbeat_seconds: int = field(default=10, metadata=_range(1, 86400))
     grace_seconds: int = field(default=60, metadata=_range(2, 10**6))
@@ -170,11 +154,10 @@ class StudySpec(abc.ABC):
         return self.trial.timeout_minutes
 
     def base_config(self, extra: Sequence[str] = ()) -> ExperimentConfig:
-        """The base experiment with the fixed overrides (and ``extra`` ones) applied, validated."""
-        return load_experiment(self.base_path(), [*override_items(self.overrides), *extra])
+        overrides = [f"{k}={format_value(v)}" for k, v in self.overrides.items()]
+        return load_experiment(self.base_path(), [*overrides, *extra])
 
     def base_path(self) -> Path:
-        """The base experiment's file (a preset name resolved under ``experiments/``)."""
         as_path = Path(self.base)
         if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
             return as_path.resolve()
@@ -185,7 +168,7 @@ class StudySpec(abc.ABC):
 
     @abc.abstractmethod
     def default_out(self) -> Path:
-        """Where the study's storage, logs, trial files and report go when ``out_dir`` is not given."""
+        """Where the storage, logs, trial files and report go without ``out_dir``."""
 
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{(self.out_path() / 'optuna.db').resolve()}"
@@ -198,9 +181,8 @@ class StudySpec(abc.ABC):
         """What trials must share to be compared (hashed by :meth:`fingerprint`)."""
 
     def fingerprint(self) -> str:
-        """A hash of :meth:`identity`: what makes trials comparable. A sweep refuses to join a study of another
-        fingerprint; an ablation's study is named by it, so finished cells of another budget or setting are never
-        taken for this one's."""
+        """A sweep refuses to join a study of another fingerprint; an ablation's study is named by it, so finished
+        cells of another budget or setting are never taken for this one's."""
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def problems(self) -> list[str]:
@@ -229,7 +211,7 @@ class SweepSpec(StudySpec):
         return default_specs_dir(self) / "studies" / self.name
 
     def identity(self) -> dict[str, Any]:
-        """What trials must share to be compared: more trials, another sampler or pruner join the same study."""
+        """More trials, another sampler or pruner join the same study."""
         return {"base": self.base, "overrides": self.overrides, "objective": dataclasses.asdict(self.objective),
                 "space": {k: dataclasses.asdict(p) for k, p in self.space.items()}}
 
@@ -257,7 +239,7 @@ class SweepSpec(StudySpec):
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of the grid: the axis values in axis order, and which axis holds the replicates (seeds)."""
+    """One point of the grid: the axis values in axis order; ``seed_key`` is the replicates' axis."""
 
     values: tuple[tuple[str, Any], ...]
     seed_key: str
@@ -302,11 +284,10 @@ class AblationSpec(StudySpec):
         return [k for k in self.axes if k != self.seed_key]
 
     def baseline_values(self) -> dict[str, Any]:
-        """The baseline group's value of every non-seed axis (the spec's ``baseline`` or the axis' first value)."""
         return {k: self.baseline.get(k, self.axes[k][0]) for k in self.group_axes()}
 
     def identity(self) -> dict[str, Any]:
-        """What the cells share besides their axis values: a grid with more seeds or values keeps its cells."""
+        """Not the axes: a grid with more seeds or values keeps its finished cells."""
         return {"base": self.base, "overrides": self.overrides, "seed_key": self.seed_key}
 
     def cells(self) -> list[Cell]:

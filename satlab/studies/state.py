@@ -1,8 +1,6 @@
-"""``<out_dir>/state.json``: the study's parent run and, per trial (a cell's key or ``t0007``), its status, run
-id, log and timing on this host. Written by the driver (atomically, under a lock, so its worker threads may update
-it), read by ``satlab report`` to find the parent run. The study and MLflow stay the record of what finished, so a
-deleted state file loses nothing but timings and failure reasons.
-"""
+"""``<out_dir>/state.json``: the study's parent run (what ``satlab report`` looks for) and each trial's status, run
+id, log and timing on this host. The study and MLflow stay the record of what finished, so a deleted state file
+loses nothing but timings and failure reasons."""
 
 from __future__ import annotations
 
@@ -41,7 +39,6 @@ class StudyState:
             self._save()
 
     def update(self, key: str, **fields: Any) -> None:
-        """Merge ``fields`` into the cell's record (stamped with the time) and save."""
         with self._lock:
             self.cells.setdefault(key, {}).update(fields, updated=time.strftime("%Y-%m-%d %H:%M:%S"))
             self._save()

@@ -1,5 +1,4 @@
-"""Optuna storages: an RDB (a sqlite file on one host, PostgreSQL across hosts) with heartbeats, so a trial whose
-worker died is failed and retried; and the storage URL as it may be shown (password masked)."""
+"""Optuna storages: an RDB (a sqlite file on one host, PostgreSQL across hosts) with heartbeats."""
 
 from __future__ import annotations
 
@@ -22,12 +21,9 @@ from satlab.studies.spec import TrialSettings
 def open_storage(url: str, settings: TrialSettings | None = None,
                  stale_callback: Callable[[optuna.Study, FrozenTrial], None] | None = None,
                  create_tables: bool = True) -> RDBStorage:
-    """An RDB storage (sqlite file, PostgreSQL, MySQL). With ``settings`` it records heartbeats, so a trial whose
-    worker died is failed after ``grace_seconds`` and handed to ``stale_callback`` (which retries it).
-
-    Journal storages are not accepted: Optuna implements heartbeats for RDB storages only, and without them a
-    killed worker's trial would stay RUNNING for ever.
-    """
+    """With ``settings`` it records heartbeats: a trial whose worker died is failed after ``grace_seconds`` and
+    handed to ``stale_callback``. Not journal storages: Optuna's heartbeats are for RDB storages only, and without
+    them a killed worker's trial would stay RUNNING for ever."""
     if "://" not in url:
         raise ConfigError(f"storage '{url}' is not a database URL; use sqlite:///<abs path>/optuna.db on one host or "
                           "postgresql://user:password@host/db across hosts (journal files lack heartbeats)")
@@ -36,10 +32,9 @@ def open_storage(url: str, settings: TrialSettings | None = None,
         engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
-    heartbeat: dict[str, Any] = {}
-    if settings is not None:
-        heartbeat = dict(heartbeat_interval=settings.heartbeat_seconds, grace_period=settings.grace_seconds,
-                         heartbeat_stale_trial_callback=stale_callback)
+    heartbeat: dict[str, Any] = {} if settings is None else dict(
+        heartbeat_interval=settings.heartbeat_seconds, grace_period=settings.grace_seconds,
+        heartbeat_stale_trial_callback=stale_callback)
     attempts = 3  # two processes creating the tables of one new database race: the loser tries again
     for attempt in range(1, attempts + 1):
         try:
@@ -63,9 +58,8 @@ def open_storage(url: str, settings: TrialSettings | None = None,
 
 def serialize_sqlite(engine: sqlalchemy.engine.Engine) -> None:
     """SQLite ignores ``SELECT ... FOR UPDATE``, so two workers could both pop the same WAITING trial (an enqueued
-    point or a retry) and run it twice. Beginning every transaction with ``BEGIN IMMEDIATE`` (SQLAlchemy's recipe
-    for pysqlite) takes the write lock up front and makes Optuna's read-check-write atomic across threads and
-    processes; transactions are short, so waiting for the lock costs little."""
+    point or a retry). ``BEGIN IMMEDIATE`` (SQLAlchemy's recipe for pysqlite) takes the write lock up front, making
+    Optuna's read-check-write atomic across threads and processes; transactions are short, so waiting costs little."""
 
     @sqlalchemy.event.listens_for(engine, "connect")
     def no_implicit_begin(dbapi_connection: Any, record: Any) -> None:
@@ -79,7 +73,6 @@ def serialize_sqlite(engine: sqlalchemy.engine.Engine) -> None:
 
 
 def safe_url(url: str) -> str:
-    """The URL with any password masked (for logs, MLflow params and messages)."""
     from sqlalchemy.engine import make_url
 
     try:

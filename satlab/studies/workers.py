@@ -1,7 +1,6 @@
-"""The worker pool of a study: worker threads that each run one trial at a time as a process of its own
-(:mod:`satlab.studies.child`), in a slot with its share of the CPU threads and, on a GPU host, its own devices; the
-trial's resolved experiment file; its outcome from the process' exit and the attributes it wrote; its MLflow run
-closed with that outcome; and the retry of trials whose driver died."""
+"""A study's workers: threads that each run one trial at a time as a process of its own (:mod:`satlab.studies.child`)
+in a slot with its share of the CPU threads and devices, read its outcome from the exit code and the attributes it
+wrote, and close its MLflow run; and the retry of trials whose driver died."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ class TrialFailed(Exception):
 
 
 def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
-    """RUNNING trials of a driver on this host that is gone are failed now and retried, rather than after the
-    heartbeat's grace period (trials of other hosts are left to their heartbeats)."""
+    """Fail and retry the RUNNING trials of a dead driver on this host now, rather than after the heartbeat's grace
+    period (trials of other hosts are left to their heartbeats)."""
     host = socket.gethostname()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker_host, _, pid = str(trial.user_attrs.get(A.WORKER, "")).rpartition(":")
@@ -58,8 +57,7 @@ def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
 
 
 class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
-    """Optuna's retry of a trial whose worker stopped beating (a WAITING trial with the same parameters), after
-    closing the dead trial's MLflow run as FAILED with reason ``worker_lost``."""
+    """Optuna's retry of a trial whose worker stopped beating, after closing its MLflow run as FAILED."""
 
     def __init__(self, max_retry: int):
         super().__init__(max_retry=max_retry)
@@ -70,8 +68,7 @@ class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
         if self.client is not None and self.parent_run_id is not None:
             try:
                 close_trial_run(self.client, self.parent_run_id, study.study_name, trial,
-                                trial.user_attrs.get(A.RUN_ID), trial.user_attrs.get(A.REASON) or "worker_lost",
-                                None)
+                                trial.user_attrs.get(A.RUN_ID), trial.user_attrs.get(A.REASON) or "worker_lost", None)
             except MlflowException as e:
                 print(f"satlab: could not close the MLflow run of stale trial {trial.number}: {e}")
         super().__call__(study, trial)
@@ -90,9 +87,7 @@ class TrialRunner:
             self.slots.put(slot)
         self.logs = Path(spec.out_dir) / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.procs = ProcessGroup()
-        self.stopping = threading.Event()
-        self.lock = threading.Lock()
+        self.procs, self.stopping, self.lock = ProcessGroup(), threading.Event(), threading.Lock()
         self.launched = 0
         self.finished: list[str] = []
         self.failures: dict[str, str] = {}
@@ -129,6 +124,9 @@ class TrialRunner:
 
     def worker_loop(self, retry: StaleTrialRetry) -> None:
         while not self.stopping.is_set():
+            # before Optuna's heartbeat check (here, and when optimize() starts a trial), which fails a stale trial
+            # without a reason: a dead driver on this host is seen at once, and its trial failed as worker_lost
+            fail_dead_local_trials(self.study, retry)
             with self.lock:
                 action = self.plan.next_action(self.study, self.launched)
                 self.launched += action == "run"
@@ -136,7 +134,6 @@ class TrialRunner:
                 return
             if action == "wait":
                 optuna.storages.fail_stale_trials(self.study)
-                fail_dead_local_trials(self.study, retry)
                 time.sleep(self.spec.trial.heartbeat_seconds)
                 continue
             self.study.optimize(self, n_trials=1, catch=(TrialFailed,), callbacks=[self.on_trial_end])
@@ -186,8 +183,8 @@ class TrialRunner:
 
     def write_trial_file(self, trial: optuna.Trial, params: dict[str, Any],
                          point: Point) -> tuple[Path, ExperimentConfig]:
-        """The trial's experiment YAML (``satlab train experiment=<it>`` reruns it by hand), validated. Tags go in
-        through the file: dotted tag keys such as ``mlflow.parentRunId`` cannot be written as overrides."""
+        """The trial's experiment YAML, validated. Tags go in through the file: dotted tag keys such as
+        ``mlflow.parentRunId`` cannot be written as overrides."""
         spec = self.spec
         base = spec.base_config()
         tags = {**base.tracking.tags, PARENT_TAG: self.parent_id, STUDY_TAG: self.study.study_name,
@@ -198,8 +195,7 @@ class TrialRunner:
             out_dir = Path(spec.out_dir) / "runs"
         else:
             out_dir = (Path(base.train.out_dir) / "ablations" / spec.name).resolve()
-        flat.update(params)
-        flat.update({"name": safe_run_name(f"{spec.name}-{point.slug}"),
+        flat.update({**params, "name": safe_run_name(f"{spec.name}-{point.slug}"),
                      "description": f"ablation {spec.name}: {point.key}" if point.tags else
                      f"sweep {spec.name}, trial {trial.number}: {format_params(params)}",
                      "train.out_dir": str(out_dir), "train.resume": point.resume,
@@ -214,8 +210,7 @@ class TrialRunner:
         return path, load_experiment(path)
 
     def execute(self, path: Path, cfg: ExperimentConfig, slot: int, log_file: Path) -> tuple[int, bool]:
-        """Run the trial process to its end (or its timeout); the storage URL goes through the environment, so a
-        database password does not show in the process list."""
+        """The storage URL goes through the environment, so a database password does not show in the process list."""
         env = worker_env(slot, self.workers, self.threads, cfg.train)
         env.update({A.STORAGE_ENV: self.spec.storage, A.DRIVER_ENV: str(os.getpid())})
         timeout = self.spec.timeout_minutes * 60 if self.spec.timeout_minutes else None
@@ -223,7 +218,6 @@ class TrialRunner:
                               append=True)
 
     def on_trial_end(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """After Optuna recorded the outcome: close the trial's MLflow run, record it, print one line."""
         if trial.user_attrs.get(A.IGNORED):
             return
         point = self.plan.point(trial, trial.params)  # type: ignore[arg-type]
@@ -255,7 +249,6 @@ class TrialRunner:
 
 
 def trial_command(path: Path, devices: int, accelerator: str) -> list[str]:
-    """``python -m satlab.studies.child experiment=<path>``, under ``torchrun`` when it trains on several GPUs."""
     module = ["-m", "satlab.studies.child", f"experiment={path}"]
     if devices > 1 and accelerator != "cpu":
         module = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", *module]
@@ -263,9 +256,8 @@ def trial_command(path: Path, devices: int, accelerator: str) -> list[str]:
 
 
 def prepare_run_dir(client: mlflow.MlflowClient, run_dir: Path) -> bool:
-    """True when the trial can resume: a checkpoint and an unfinished MLflow run to continue. Otherwise the
-    leftovers of an earlier attempt (killed before its first checkpoint, or a run deleted from MLflow to redo the
-    cell) are removed, and a RUNNING run they name is closed as KILLED, so the trial starts clean."""
+    """True when the trial can resume (a checkpoint and an unfinished MLflow run); otherwise an earlier attempt's
+    leftovers are removed and a RUNNING run they name is closed as KILLED, so the trial starts clean."""
     if not run_dir.exists():
         return False
     run_id = read_run_id(run_dir)
