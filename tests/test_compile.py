@@ -9,14 +9,13 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from satlab.config.model import ARCHITECTURE_NAMES
-from satlab.models import build_model
+from satlab.models import ARCHITECTURES, build_model
 from satlab.training.parallel import compile_blocks
 
 CFG = dict(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=64, vocab_size=101, max_seq_len=64)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_compiled_blocks_match_eager_and_do_not_recompile(arch):
     torch._dynamo.reset()
     counters.clear()

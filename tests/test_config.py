@@ -13,9 +13,8 @@ from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, flatten, print_config, to_yaml
 from satlab.config.errors import ConfigError
 from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
-from satlab.config.model import ARCHITECTURE_NAMES
 from satlab.config.schema import ExperimentConfig
-from satlab.models import build_model
+from satlab.models import ARCHITECTURES, build_model
 
 
 def write(path: Path, text: str) -> Path:
@@ -40,12 +39,12 @@ def test_every_preset_resolves_and_builds(name: str) -> None:
 def test_default_and_tiny_presets() -> None:
     names = list_experiments()
     assert "default" in names
-    assert {f"tiny/{arch}" for arch in ARCHITECTURE_NAMES} <= set(names)
+    assert {f"tiny/{arch}" for arch in list(ARCHITECTURES)} <= set(names)
     default = load_experiment()
     assert (default.model.arch, default.model.size, default.data.source) == ("satformer", "tiny", "shakespeare")
     assert (default.data.tokenizer.kind, default.data.tokenizer.vocab_size, default.data.seq_len) == ("bpe", 4096, 256)
     assert default.train.precision == "32-true"
-    for arch in ARCHITECTURE_NAMES:
+    for arch in list(ARCHITECTURES):
         cfg = load_experiment(f"tiny/{arch}")
         assert cfg.model.arch == arch and cfg.name == f"tiny-{arch}"
         assert dataclasses.replace(cfg, name=default.name, description=default.description,

@@ -11,12 +11,11 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from satlab.config.model import ARCHITECTURE_NAMES
 from satlab.data.tokenizer import byte_tokenizer
 from satlab.evaluation.gate_logging import log_gate_analysis
 from satlab.evaluation.gates import analyze_gates, gate_bounds, occurrence_labels, position_bucket, token_kind
 from satlab.evaluation.plots import gate_figures, plot_value_access, save_figures, value_access
-from satlab.models import build_model
+from satlab.models import ARCHITECTURES, build_model
 
 SMALL = dict(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=64, vocab_size=258, max_seq_len=128)
 TEXT = "The cat sat on the mat, and the dog sat on the log. Then they sat together!"
@@ -154,7 +153,7 @@ EXPECTED_FIGURES = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_figures_for_every_architecture(arch, tmp_path):
     model = make(arch)
     figures = gate_figures(analyze_gates(model, batch(), byte_tokenizer()), model)

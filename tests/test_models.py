@@ -11,19 +11,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from satlab.config.errors import ConfigError
-from satlab.config.model import (
-    ARCHITECTURE_NAMES,
+from satlab.models import (
+    ARCHITECTURES,
     GATE_FUNCTIONS,
-    GATE_GRANULARITIES,
-    PAPER_PARAM_COUNTS,
+    build_model,
+    count_params,
+    flops_per_token,
+    non_embedding_params,
 )
-from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
+from satlab.models.archs.satformer import GATE_GRANULARITIES
+from satlab.models.config import PAPER_PARAM_COUNTS
 from satlab.models.depth_buffer import DepthBuffer
 
 SMALL = dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=97, max_seq_len=64)
 
 VARIANTS = (
-    [dict(arch=a) for a in ARCHITECTURE_NAMES]
+    [dict(arch=a) for a in list(ARCHITECTURES)]
     + [dict(arch="satformer", satformer=dict(gate_granularity=g, gate_fn=f))
        for g, f in itertools.product(GATE_GRANULARITIES, GATE_FUNCTIONS)]
     + [
@@ -236,7 +239,7 @@ def test_generate_greedy_matches_argmax_of_full_forward():
 
 
 @pytest.mark.parametrize("size", list(PAPER_PARAM_COUNTS))
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_paper_preset_parameter_counts_match_spec(size, arch):
     model = build_model(dict(arch=arch, size=size), device="meta")
     assert abs(count_params(model) / PAPER_PARAM_COUNTS[size] - 1) < 0.01
@@ -249,7 +252,7 @@ def test_satformer_adds_about_a_tenth_of_a_percent_of_parameters():
     assert 0.0005 < sat / base - 1 < 0.0015
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_flops_per_token_matches_flop_counter(arch):
     model = build_model(dict(arch=arch, size="tiny"))
     seq_len, batch = 128, 2

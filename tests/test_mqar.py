@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from satlab.config.loader import load_experiment
-from satlab.config.model import ARCHITECTURE_NAMES, ModelConfig
 from satlab.config.schema import MQARConfig
 from satlab.data.mqar import BLOCK, IGNORE_INDEX, MQARBatches, MQARTask, generate
-from satlab.models import build_model
+from satlab.models import ARCHITECTURES, ModelConfig, build_model
 from satlab.training.checkpoint import load_checkpoint
 from satlab.training.run import train
 
@@ -75,7 +74,7 @@ def test_the_held_out_set_depends_on_the_setting_only_and_no_training_row_equals
                            task.held_out[0])
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_the_answer_only_head_gives_the_full_heads_masked_loss_and_gradients(arch):
     torch.manual_seed(0)
     cfg = ModelConfig(arch=arch, size="recall-2l", d_model=32, n_heads=2, vocab_size=64, n_layers=3)

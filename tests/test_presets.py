@@ -7,8 +7,8 @@ import pytest
 
 from satlab.config.display import flatten
 from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
-from satlab.config.model import ARCHITECTURE_NAMES, PAPER_PARAM_COUNTS, SIZE_PRESETS
-from satlab.models import build_model, count_params
+from satlab.models import ARCHITECTURES, build_model, count_params
+from satlab.models.config import PAPER_PARAM_COUNTS, SIZE_PRESETS
 
 # size -> (token budget, peak LR), from the spec's "Paper presets" table
 PAPER = {"small": (5_000_000_000, 2e-3), "medium": (10_000_000_000, 1.5e-3), "large": (20_000_000_000, 1e-3),
@@ -18,7 +18,7 @@ UNMATCHED = ("model.arch", "name", "description")  # what may differ between the
 
 
 def archs(size: str) -> list[str]:
-    return [a for a in ARCHITECTURE_NAMES if size != "xl" or a not in DENSE]
+    return [a for a in list(ARCHITECTURES) if size != "xl" or a not in DENSE]
 
 
 CASES = [(size, arch) for size in PAPER for arch in archs(size)]

@@ -13,8 +13,7 @@ import torch
 
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
-from satlab.config.model import ARCHITECTURE_NAMES
-from satlab.models import build_model
+from satlab.models import ARCHITECTURES, build_model
 from satlab.training.checkpoint import load_checkpoint
 from satlab.training.module import lr_factor, parameter_groups
 from satlab.training.run import train
@@ -39,7 +38,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("train")
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURE_NAMES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_twenty_steps_of_every_architecture_land_in_mlflow(workdir, arch):
     cfg = tiny_config(workdir, f"model.arch={arch}", f"name=t-{arch}", "tracking.experiment=tests")
     result = train(cfg, preset="test", progress=False)

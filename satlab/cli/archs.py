@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 
 from rich.table import Table
 
-from satlab.config.model import GATE_FUNCTIONS, GATE_GRANULARITIES, SIZE_PRESETS
 from satlab.console import console as make_console
 
-# (label, model-config overrides) for every registered architecture and its named variants.
-VARIANTS: list[tuple[str, dict]] = [
-    ("transformer", dict(arch="transformer")),
-    ("resformer", dict(arch="resformer")),
-    ("resformer fixed", dict(arch="resformer", resformer=dict(mode="fixed"))),
-    *[
-        (f"satformer {g} {f}", dict(arch="satformer", satformer=dict(gate_granularity=g, gate_fn=f)))
-        for g, f in itertools.product(GATE_GRANULARITIES, GATE_FUNCTIONS)
-    ],
-    ("satformer last_k=2", dict(arch="satformer", satformer=dict(last_k=2))),
-    ("denseformer", dict(arch="denseformer")),
-    ("denseformer dilation=2 period=2", dict(arch="denseformer", denseformer=dict(dilation=2, period=2))),
-    ("hyperconnections n=4", dict(arch="hyperconnections")),
-    ("muddformer", dict(arch="muddformer")),
-    ("muddformer ffn_realloc", dict(arch="muddformer", muddformer=dict(ffn_realloc=True))),
-]
+
+def variants() -> list[tuple[str, dict]]:
+    """(label, model-config overrides) for every registered architecture and its named variants."""
+    from satlab.models import ARCHITECTURES
+
+    rows = []
+    for arch in ARCHITECTURES.values():
+        rows.append((arch.name, {"arch": arch.name}))
+        rows += [(name, {"arch": arch.name, arch.name: dict(options)}) for name, options in arch.variants]
+    return rows
 
 
 def archs_table(size: str, seq_len: int | None = None, all_functions: bool = False) -> Table:
@@ -37,7 +29,7 @@ def archs_table(size: str, seq_len: int | None = None, all_functions: bool = Fal
     for column in ("architecture / variant", "params", "non-embedding", "vs transformer", "GFLOPs/token"):
         table.add_column(column, justify="left" if column.startswith("arch") else "right", no_wrap=True)
     base = None
-    for label, overrides in VARIANTS:
+    for label, overrides in variants():
         gate_fn = overrides.get("satformer", {}).get("gate_fn", "relu")
         if not all_functions and gate_fn != "relu":
             continue
@@ -61,12 +53,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", default="tiny", choices=list(SIZE_PRESETS), help="size preset (default: tiny)")
+    parser.add_argument("--size", default="tiny", help="size preset (default: tiny)")
     parser.add_argument("--seq-len", type=int, default=None, help="context length for FLOPs (default: the preset's)")
     parser.add_argument("--all-gate-functions", action="store_true",
                         help="list every SATFormer granularity x gate function (default: relu only)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from satlab.config.errors import ConfigError, unknown_name
+    from satlab.models import SIZE_PRESETS
+
+    if args.size not in SIZE_PRESETS:
+        raise ConfigError(unknown_name("size (--size)", args.size, SIZE_PRESETS))
     make_console().print(archs_table(args.size, args.seq_len, args.all_gate_functions))
     return 0

@@ -9,13 +9,13 @@ from pathlib import Path
 from rich.table import Table
 
 from satlab.config.errors import ConfigError, unknown_name
-from satlab.config.model import ARCHITECTURE_NAMES, SIZE_PRESETS
 from satlab.console import console as make_console
+from satlab.models import ARCHITECTURES, SIZE_PRESETS
 
 
 def run(args: argparse.Namespace) -> int:
-    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
-    problems = [unknown_name("architecture", a, ARCHITECTURE_NAMES) for a in archs if a not in ARCHITECTURE_NAMES]
+    archs = list(ARCHITECTURES) if args.archs == "all" else [a.strip() for a in args.archs.split(",") if a.strip()]
+    problems = [unknown_name("architecture", a, ARCHITECTURES) for a in archs if a not in ARCHITECTURES]
     if args.size not in SIZE_PRESETS:
         problems.append(unknown_name("size", args.size, SIZE_PRESETS))
     if problems:

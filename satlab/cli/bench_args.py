@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-ALL_ARCHS = "transformer,resformer,satformer,denseformer,hyperconnections,muddformer"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--archs", default=ALL_ARCHS, help=f"comma-separated architectures (default: {ALL_ARCHS})")
+    parser.add_argument("--archs", default="all",
+                        help="comma-separated architectures (default: all registered; satlab archs lists them)")
     parser.add_argument("--size", default="tiny", help="model size preset (default: tiny)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8; --recall: 512)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256; --recall: 64)")

@@ -1,6 +1,2 @@
-"""Typed configuration (OmegaConf-structured dataclasses) and validation."""
-
-from satlab.config.errors import ConfigError
-from satlab.config.model import ModelConfig
-
-__all__ = ["ConfigError", "ModelConfig"]
+"""Typed configuration (OmegaConf-structured dataclasses) and validation: the experiment (``schema``, ``loader``)
+above the model zoo, whose model config it contains; the generic validator and errors below it."""

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import ConfigError, unknown_name
-from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import (
     MIX_SOURCES,
     PRECISIONS,
@@ -35,6 +34,7 @@ from satlab.config.schema import (
 )
 from satlab.config.specs import read_mapping, short_path
 from satlab.config.structured import Layer, Range, build, range_problems
+from satlab.models.config import SIZE_PRESETS, resolve_model_config
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"

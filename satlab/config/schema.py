@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from satlab.config.model import ModelConfig
+from satlab.models.config import ModelConfig
 
 TOKENIZER_KINDS = ("byte", "bpe", "hub")
 SOURCE_KINDS = ("auto", "corpus", "files", "hub")

@@ -36,19 +36,14 @@ import torch
 from torch import Tensor, nn
 
 from satlab.data.tokenizer import TextTokenizer
-
-GATE_BOUNDS_FIXED: dict[str, tuple[float, ...]] = {"relu": (0.0,), "sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0),
-                                                    "identity": ()}
+from satlab.models.gate_functions import GATE_FUNCTIONS
 
 
 def gate_bounds(gate_fn: str, heads: int) -> tuple[float, ...]:
-    """The values a gate of ``gate_fn`` over ``heads`` gate heads can be pinned at (see the module docstring)."""
-    if gate_fn in GATE_BOUNDS_FIXED:
-        return GATE_BOUNDS_FIXED[gate_fn]
-    if gate_fn in ("softmax", "softmax_sigmoid"):
-        return (0.0, float(heads))
-    raise ValueError(f"unknown gate function {gate_fn!r}")
-
+    """The values a gate of ``gate_fn`` over ``heads`` gate heads can be pinned at (the gate-function table's)."""
+    if gate_fn not in GATE_FUNCTIONS:
+        raise ValueError(f"unknown gate function {gate_fn!r}; known: {', '.join(GATE_FUNCTIONS)}")
+    return GATE_FUNCTIONS[gate_fn].bounds(heads)
 
 
 METRIC_PREFIX = "val/gates"
@@ -153,8 +148,10 @@ def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None
     layers = [i for i, g in enumerate(gates or ()) if g is not None]
     if not layers:
         return None
-    options = getattr(model.cfg, "satformer", None)
-    gate_fn = gate_fn or getattr(options, "gate_fn", "relu")
+    architecture = getattr(model, "architecture", None)
+    options = architecture.options_of(model.cfg) if architecture is not None else None
+    if gate_fn is None:
+        gate_fn = architecture.gate_fn(model.cfg) if architecture is not None and architecture.gate_fn else "relu"
     heads, channels = gates[layers[0]].shape[-2:]
     bounds = gate_bounds(gate_fn, heads)
     stats = [_layer_stats(gates[i].float(), bounds, bound_tol) for i in layers]
@@ -163,7 +160,7 @@ def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None
                     for s_row, w_row in zip(share.tolist(), which.tolist(), strict=True)]
     return GateReport(
         gate_fn=gate_fn,
-        granularity=getattr(options, "gate_granularity", "unknown"),
+        granularity=getattr(options, "gate_granularity", "token_head"),
         layers=layers,
         heads=heads,
         channels=channels,

@@ -8,6 +8,7 @@ so no global figure registry to leak into and nothing to close; a figure is free
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +20,9 @@ from matplotlib.patches import Patch, Rectangle
 from torch import nn
 
 from satlab.evaluation.gates import GateReport
+from satlab.models.architecture import MixingWeight
 
 ANNOTATE_MAX_CELLS = 256
-# Row and column meaning of the 2-D static weights, per family: (row label, column label, first row number).
-MATRIX_AXES = {
-    "denseformer": ("DWA after block i", "source X_j (0 = embedding)", 1),
-    "muddformer": ("depth aggregate after block i", "source X_j (0 = embedding)", 1),
-    "hyperconnections": ("sublayer (a = attention, m = MLP)", "residual copy", 0),
-}
 
 
 def _text(ax: Axes, row: int, col: int, label: str, shade: tuple[float, ...]) -> None:
@@ -99,26 +95,23 @@ def plot_gate_categories(report: GateReport) -> Figure:
     return fig
 
 
-def _plot_vectors(ax: Axes, vectors: dict[str, np.ndarray]) -> None:
+def _plot_vectors(ax: Axes, vectors: dict[str, MixingWeight]) -> None:
     """1-D weights per layer (ResFormer λ: layers 1..L-1) as lines on shared axes."""
-    for name, v in vectors.items():
-        ax.plot(np.arange(1, len(v) + 1), v, marker="o", label=name)
+    for name, weight in vectors.items():
+        values = weight.values.numpy()
+        ax.plot(np.arange(weight.first_row, weight.first_row + len(values)), values, marker="o", label=name)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("layer")
+    ax.set_xlabel(next(iter(vectors.values())).row_label)
     ax.set_ylabel("weight")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.legend(fontsize=8)
 
 
-def _plot_matrix(fig: Figure, ax: Axes, family: str, name: str, matrix: np.ndarray) -> None:
-    rows, cols = matrix.shape
-    row_label, col_label, first = MATRIX_AXES.get(family, ("row", "column", 0))
-    missing = np.zeros_like(matrix, dtype=bool)
-    if first == 1 and cols == rows + 1:  # a source j > block i does not exist: grey it out rather than show a zero
-        missing |= np.arange(cols)[None, :] > np.arange(1, rows + 1)[:, None]
-    if family == "muddformer" and name != "static_r":  # the last depth aggregate produces only R
-        missing[-1] = True
-    matrix = np.ma.masked_array(matrix, missing)
+def _plot_matrix(fig: Figure, ax: Axes, name: str, weight: MixingWeight) -> None:
+    values = weight.values.numpy()
+    rows, cols = values.shape
+    missing = np.zeros_like(values, dtype=bool) if weight.missing is None else weight.missing.numpy()
+    matrix = np.ma.masked_array(values, missing)
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.8")
     norm = _norm(np.ma.compressed(matrix), signed=True)
     image = ax.imshow(matrix, cmap=cmap, norm=norm, aspect="auto")
@@ -126,51 +119,45 @@ def _plot_matrix(fig: Figure, ax: Axes, family: str, name: str, matrix: np.ndarr
     if rows * cols <= ANNOTATE_MAX_CELLS:
         for r, c in zip(*np.nonzero(~missing), strict=True):
             _text(ax, r, c, f"{matrix[r, c]:.2f}", cmap(norm(matrix[r, c])))
-    if family == "hyperconnections":
-        ax.set_yticks(range(rows), [f"{'am'[k % 2]}{k // 2}" for k in range(rows)], fontsize=7)
-    else:
-        ax.set_yticks(range(rows), [str(first + r) for r in range(rows)], fontsize=7)
+    ax.set_yticks(range(rows), weight.row_ticks or [str(weight.first_row + r) for r in range(rows)], fontsize=7)
     ax.set_xticks(range(cols), [str(c) for c in range(cols)], fontsize=7)
-    ax.set_xlabel(col_label, fontsize=8)
-    ax.set_ylabel(row_label, fontsize=8)
+    ax.set_xlabel(weight.col_label, fontsize=8)
+    ax.set_ylabel(weight.row_label, fontsize=8)
     ax.set_title(name, fontsize=9)
 
 
 def plot_static_weights(model: nn.Module) -> dict[str, Figure]:
-    """One figure per family of ``model.mixing_weights()`` (``resformer``, ``denseformer``, ``hyperconnections``,
-    ``muddformer``): 1-D weights as lines per layer, 2-D ones as annotated heatmaps. Empty for a Transformer or
-    SATFormer."""
-    families: dict[str, dict[str, np.ndarray]] = {}
-    for key, tensor in model.mixing_weights().items():
+    """One figure per family of ``model.mixing_weights()`` (``resformer``, ``denseformer``, ...): 1-D weights as
+    lines per layer, 2-D ones as annotated heatmaps, with the axes their architecture declares. Empty for a
+    Transformer or SATFormer."""
+    families: dict[str, dict[str, MixingWeight]] = {}
+    for key, weight in model.mixing_weights().items():
         family, _, name = key.partition("/")
-        families.setdefault(family, {})[name] = tensor.detach().float().cpu().numpy()
+        families.setdefault(family, {})[name] = replace(weight, values=weight.values.detach().float().cpu())
     figures = {}
     for family, weights in families.items():
-        vectors = {k: v for k, v in weights.items() if v.ndim == 1}
-        matrices = {k: v for k, v in weights.items() if v.ndim == 2}
+        vectors = {k: w for k, w in weights.items() if w.values.ndim == 1}
+        matrices = {k: w for k, w in weights.items() if w.values.ndim == 2}
         panels = (1 if vectors else 0) + len(matrices)
         fig = Figure(figsize=(0.5 + 4.2 * panels, 3.8), layout="constrained")
         axes = list(fig.subplots(1, panels, squeeze=False)[0])
         if vectors:
             _plot_vectors(axes.pop(0), vectors)
-        for ax, (name, matrix) in zip(axes, matrices.items(), strict=True):
-            _plot_matrix(fig, ax, family, name, matrix)
+        for ax, (name, weight) in zip(axes, matrices.items(), strict=True):
+            _plot_matrix(fig, ax, name, weight)
         fig.suptitle(f"{family}: static mixing weights", fontsize=10)
         figures[family] = fig
     return figures
 
 
 def value_access(model: nn.Module, report: GateReport | None = None) -> dict[int, float] | None:
-    """Per layer, the coefficient on V_1 in V'_n: SATFormer's mean gate (from ``report``), the learnable ResFormer's
-    λ1 (its λ2 multiplies V_n, SATFormer's V_n coefficient is 1), 0.5 for the fixed ResFormer; None otherwise."""
+    """Per layer, the coefficient on V_1 in V'_n: the mean gate (from ``report``), or the static weight the
+    architecture declares as its V_1 coefficient (ResFormer's λ1, 0.5 when fixed); None otherwise."""
     if report is not None:
         return {layer: float(report.mean[row].mean()) for row, layer in enumerate(report.layers)}
-    weights = model.mixing_weights()
-    if "resformer/lambda1" in weights:
-        return {n + 1: float(v) for n, v in enumerate(weights["resformer/lambda1"].tolist())}
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "arch", None) == "resformer" and cfg.resformer.mode == "fixed":
-        return {n: 0.5 for n in range(1, cfg.n_layers)}
+    for weight in model.mixing_weights().values():
+        if weight.v1_coefficient:
+            return {weight.first_row + n: float(v) for n, v in enumerate(weight.values.tolist())}
     return None
 
 

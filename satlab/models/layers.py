@@ -1,7 +1,7 @@
 """The shared backbone's parts: RMSNorm, RoPE, causal GQA attention with a pluggable value path, SwiGLU, block.
 
 Every architecture uses these unchanged. What differs between architectures is (a) how a layer forms its values
-(``value_path``, see ``value_paths.py``) and (b) how blocks are chained (the depth loop, see ``streams``).
+(``value_path``, see the architectures in ``archs/``) and (b) how blocks are chained (the depth loop, see ``streams``).
 """
 
 from __future__ import annotations

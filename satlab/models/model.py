@@ -22,12 +22,15 @@ class DecoderLM(nn.Module):
     """A language model assembled by :func:`satlab.models.build_model` from a registry entry.
 
     ``value_paths[i]`` is layer i's value path (None: attend with V_i unchanged); ``value_shared`` computes
-    per-forward weights shared across layers (the learnable ResFormer); ``stream`` is the depth loop.
+    per-forward weights shared across layers (the learnable ResFormer); ``stream`` is the depth loop;
+    ``architecture`` the registry entry it was built from.
     """
 
-    def __init__(self, cfg, stream: nn.Module, value_paths: list[nn.Module | None], value_shared: nn.Module | None):
+    def __init__(self, cfg, stream: nn.Module, value_paths: list[nn.Module | None], value_shared: nn.Module | None,
+                 architecture=None):
         super().__init__()
         self.cfg = cfg
+        self.architecture = architecture
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.stream = stream
         self.blocks = nn.ModuleList(stream.make_block(cfg, i, value_paths[i]) for i in range(cfg.n_layers))
@@ -115,17 +118,20 @@ class DecoderLM(nn.Module):
                 names.add(f"{prefix}.{local}" if prefix else local)
         return names
 
-    def mixing_weights(self) -> dict[str, Tensor]:
-        """Static depth/value mixing weights for plots: ResFormer λ, DenseFormer DWA, HC and MUDD static parts."""
-        weights = dict(self.stream.mixing_weights())
-        if self.value_shared is not None:
-            with torch.no_grad():
-                weights["resformer/lambda1"] = self.value_shared().detach().float().cpu()
-        lambda2 = [b.attn.value_path.lambda2 for b in self.blocks
-                   if getattr(b.attn.value_path, "lambda2", None) is not None]
-        if lambda2:
-            weights["resformer/lambda2"] = torch.stack([p.detach().float().cpu() for p in lambda2])
-        return weights
+    def lr_groups(self) -> dict[str, str]:
+        """Parameter name -> the learning-rate group its module declares (``lr_group``, e.g. SATFormer's gates)."""
+        groups = {}
+        for prefix, module in self.named_modules():
+            if group := getattr(module, "lr_group", None):
+                groups.update({f"{prefix}.{name}": group for name, _ in module.named_parameters()})
+        return groups
+
+    def mixing_weights(self) -> dict:
+        """Static depth/value mixing weights for plots (:class:`~satlab.models.architecture.MixingWeight` by
+        ``family/name``): what the architecture declares, else its depth loop's."""
+        if self.architecture is not None and self.architecture.mixing_weights is not None:
+            return self.architecture.mixing_weights(self)
+        return dict(self.stream.mixing_weights())
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:

@@ -66,8 +66,8 @@ class ResidualStream(nn.Module):
     def init_weights(self) -> None:
         """The plain residual has no parameters of its own."""
 
-    def mixing_weights(self) -> dict[str, Tensor]:
-        """Static mixing weights for plots (none for the plain residual)."""
+    def mixing_weights(self) -> dict:
+        """Static mixing weights for plots (:class:`~satlab.models.architecture.MixingWeight`; none here)."""
         return {}
 
     def extra_flops_per_token(self) -> float:

@@ -18,6 +18,7 @@ from markdown_it import MarkdownIt
 from rich.console import Console
 from rich.table import Table
 
+from satlab.models.architecture import ARCHITECTURES
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
 from satlab.studies.results import (
     RECALL_MEASURES,
@@ -31,14 +32,17 @@ from satlab.studies.results import (
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import Verdict, best_verdict, format_p, mean_std, ordering_verdict, welch_p
 
-ARCH_NAMES = {"transformer": "Transformer", "resformer": "ResFormer", "satformer": "SATFormer",
-              "denseformer": "DenseFormer", "hyperconnections": "Hyper-Connections", "muddformer": "MUDDFormer"}
 BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
 RECALL_REFERENCES = ("transformer", "resformer")
 _CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
         "table{border-collapse:collapse;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
         "th:first-child,td:first-child{text-align:left}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
+
+
+def arch_names() -> dict[str, str]:
+    """Display names from the registry (read when a report is written: an architecture registered late counts)."""
+    return {name: arch.label for name, arch in ARCHITECTURES.items()}
 
 
 @dataclass
@@ -53,7 +57,7 @@ class Comparison:
 def comparisons(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) \
         -> tuple[dict[str, str], list[Comparison]]:
     if measures is RECALL_MEASURES and "model.arch" in spec.group_axes():
-        return REFERENCE_P, [Comparison(f" vs {ARCH_NAMES[a]}", "reference",
+        return REFERENCE_P, [Comparison(f" vs {arch_names()[a]}", "reference",
                                         lambda g, a=a: reference_group(groups, g, a)) for a in RECALL_REFERENCES]
     baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
     return BASELINE_P, [Comparison("", "baseline", lambda g: baseline)]
@@ -137,16 +141,16 @@ def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: 
                 samples = {"satformer": group.samples("recall_acc"),
                            arch: [] if reference is None else reference.samples("recall_acc")}
                 verdicts.append(best_verdict(samples, "satformer", f"SATFormer retrieves better than "
-                                             f"{ARCH_NAMES[arch]} (held-out accuracy, {point})", labels=ARCH_NAMES))
+                                             f"{arch_names()[arch]} (held-out accuracy, {point})", labels=arch_names()))
         return verdicts
     others = {k: v for k, v in spec.baseline_values().items() if k != "model.arch"}
     by_arch = {g.values["model.arch"]: g for g in groups if all(g.values[k] == v for k, v in others.items())}
     return [
         ordering_verdict({a: g.samples("val_loss") for a, g in by_arch.items()}, ["satformer", "resformer",
                          "transformer"], "SATFormer < ResFormer < Transformer in final validation loss",
-                         labels=ARCH_NAMES),
+                         labels=arch_names()),
         best_verdict({a: g.samples("retrieval") for a, g in by_arch.items()}, "satformer",
-                     "SATFormer best on the retrieval average", labels=ARCH_NAMES),
+                     "SATFormer best on the retrieval average", labels=arch_names()),
     ]
 
 
@@ -157,7 +161,7 @@ def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Seque
     difficulty = [k for k in spec.group_axes() if k != "model.arch"]
     by_difficulty = None
     if measures is RECALL_MEASURES and "model.arch" in spec.group_axes() and len(difficulty) == 1:
-        by_difficulty = metric_vs_axis(groups, difficulty[0], "model.arch", "recall_acc", ARCH_NAMES,
+        by_difficulty = metric_vs_axis(groups, difficulty[0], "model.arch", "recall_acc", arch_names(),
                                        out / "accuracy_vs_difficulty.png",
                                        f"{spec.name}: held-out recall accuracy (mean ± std over seeds)")
     heatmaps = []

@@ -22,9 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import unknown_name
 from satlab.config.loader import default_experiments_dir, load_experiment
-from satlab.config.model import ARCHITECTURE_NAMES
 from satlab.config.schema import ExperimentConfig
 from satlab.config.structured import field_problems
+from satlab.models.architecture import ARCHITECTURES
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
@@ -218,7 +218,7 @@ class SweepSpec(StudySpec):
     def active_params(self, arch: str) -> list[str]:
         """The searched keys that matter for ``arch``, ``model.arch`` first (it decides the others)."""
         names = sorted(self.space, key=lambda n: n != "model.arch")
-        return [n for n in names if not (n.split(".")[0] == "model" and n.split(".")[1] in ARCHITECTURE_NAMES
+        return [n for n in names if not (n.split(".")[0] == "model" and n.split(".")[1] in ARCHITECTURES
                                          and n.split(".")[1] != arch)]
 
     def problems(self) -> list[str]:

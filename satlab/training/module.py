@@ -202,13 +202,15 @@ class LMModule(L.LightningModule):
 
 def parameter_groups(model, weight_decay: float, decay_all: bool, lr: float, gate_lr_multiplier: float):
     """AdamW groups: decay matrices only (not norms, gains, biases or the variants' static mixing weights) unless
-    ``decay_all``; SATFormer gate parameters get ``gate_lr_multiplier`` × lr."""
+    ``decay_all``; the parameters of modules in the ``gate`` learning-rate group (SATFormer's gates, declared by
+    their module) get ``gate_lr_multiplier`` × lr."""
     no_decay = model.no_weight_decay()
+    lr_groups = model.lr_groups()
     buckets: dict[tuple[bool, bool], list] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        is_gate = ".value_path." in name
+        is_gate = lr_groups.get(name) == "gate"
         decay = decay_all or (param.ndim >= 2 and name not in no_decay)
         buckets.setdefault((decay, is_gate), []).append(param)
     return [

@@ -13,16 +13,26 @@ W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer. X_0..X
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.depth_buffer import DepthBuffer
 from satlab.models.layers import Block, RMSNorm
 from satlab.models.streams import DepthContext, ResidualStream
 
 STREAMS = ("q", "k", "v", "r")
+
+
+@dataclass
+class MUDDFormerOptions:
+    """``ffn_realloc``: SwiGLU width grows linearly with depth from 0.5x to 1.5x (same total)."""
+
+    ffn_realloc: bool = False
 
 
 class DepthAggregate(nn.Module):
@@ -88,13 +98,34 @@ class MUDDStream(ResidualStream):
             xq, xk, xv, xr = mixed.unbind(-2)
         raise AssertionError("the last depth aggregate returns a single stream")
 
-    def mixing_weights(self) -> dict[str, Tensor]:
-        """Static part a of each DA, per output stream: (L, L+1) matrices, row i-1 = the DA after block i."""
+    def mixing_weights(self) -> dict[str, MixingWeight]:
+        """Static part a of each DA, per output stream: (L, L+1) matrices, row i-1 = the DA after block i (the
+        last DA produces only R: its Q, K and V rows are missing, as are sources j > i)."""
         L = len(self.aggregates)
         tables = {c: torch.zeros(L, L + 1) for c in STREAMS}
+        missing = {c: torch.ones(L, L + 1, dtype=torch.bool) for c in STREAMS}
         for i, da in enumerate(self.aggregates):
             static = da.static.detach().float().cpu()
             names = STREAMS if da.n_outputs == 4 else ("r",)
             for c, row in zip(names, static, strict=True):
                 tables[c][i, : da.n_sources] = row
-        return {f"muddformer/static_{c}": t for c, t in tables.items()}
+                missing[c][i, : da.n_sources] = False
+        return {f"muddformer/static_{c}": MixingWeight(t, "depth aggregate after block i",
+                                                       "source X_j (0 = embedding)", 1, missing=missing[c])
+                for c, t in tables.items()}
+
+
+def extra_params(cfg: Any) -> int:
+    """Per DA i (1..L): W_1 d×4(i+1), W_2 4(i+1)×C(i+1), the static C×(i+1); C = 4, 1 for the last; plus the
+    separate K and V input norms (2d per block)."""
+    d, L = cfg.d_model, cfg.n_layers
+    total = 2 * d * L
+    for i in range(1, L + 1):
+        sources, outputs = i + 1, 4 if i < L else 1
+        total += d * 4 * sources + 4 * sources * outputs * sources + outputs * sources
+    return total
+
+
+register(Architecture("muddformer", "MUDDFormer", "multiway dynamic dense connections (Q, K, V, R)",
+                      options=MUDDFormerOptions, stream=MUDDStream, extra_params=extra_params,
+                      variants=(("muddformer ffn_realloc", {"ffn_realloc": True}),), order=50))

@@ -11,11 +11,23 @@ gradients accumulated in place in a second buffer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
+from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.depth_buffer import DepthBuffer
 from satlab.models.streams import DepthContext, ResidualStream
+
+
+@dataclass
+class DenseFormerOptions:
+    """Depth-weighted average after every ``period``-th block, over blocks j with j ≡ i (mod ``dilation``)."""
+
+    dilation: int = field(default=1, metadata={"range": (1, 4096, False)})
+    period: int = field(default=1, metadata={"range": (1, 4096, False)})
 
 
 def dwa_sources(i: int, dilation: int) -> list[int]:
@@ -53,10 +65,24 @@ class DenseFormerStream(ResidualStream):
             y = outputs.append(out, weights, start=i % self.dilation, step=self.dilation)
         return y
 
-    def mixing_weights(self) -> dict[str, Tensor]:
-        """The DWA weights as an (L, L+1) matrix: row i-1 holds a_{i,j} (zero where no weight exists)."""
+    def mixing_weights(self) -> dict[str, MixingWeight]:
+        """The DWA weights as an (L, L+1) matrix: row i-1 holds a_{i,j}; entries without a weight are missing."""
         table = torch.zeros(self.n_layers, self.n_layers + 1)
+        missing = torch.ones(self.n_layers, self.n_layers + 1, dtype=torch.bool)
         for key, a in self.weights.items():
             i = int(key)
             table[i - 1, dwa_sources(i, self.dilation)] = a.detach().float().cpu()
-        return {"denseformer/dwa": table}
+            missing[i - 1, dwa_sources(i, self.dilation)] = False
+        return {"denseformer/dwa": MixingWeight(table, "DWA after block i", "source X_j (0 = embedding)", 1,
+                                                missing=missing)}
+
+
+def extra_params(cfg: Any) -> int:
+    """One weight per source of each DWA."""
+    options = cfg.denseformer
+    return sum(len(dwa_sources(i, options.dilation)) for i in range(1, cfg.n_layers + 1) if i % options.period == 0)
+
+
+register(Architecture("denseformer", "DenseFormer", "depth-weighted average of all earlier block outputs",
+                      options=DenseFormerOptions, stream=DenseFormerStream, extra_params=extra_params,
+                      variants=(("denseformer dilation=2 period=2", {"dilation": 2, "period": 2}),), order=30))

@@ -14,13 +14,23 @@ invariant, so this is the spec's sum except for the norm's eps; it makes the ini
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.layers import RMSNorm
 from satlab.models.streams import DepthContext, ResidualStream
+
+
+@dataclass
+class HyperConnectionOptions:
+    """Dynamic hyper-connections with ``expansion`` residual copies."""
+
+    expansion: int = field(default=4, metadata={"range": (1, 64, False)})
 
 
 class HyperConnection(nn.Module):
@@ -99,14 +109,26 @@ class HyperConnectionStream(ResidualStream):
             H = mlp_hc.write(ctx.feedforward(i, h), H, a_r, beta)
         return H.sum(dim=-2) / self.n
 
-    def mixing_weights(self) -> dict[str, Tensor]:
+    def mixing_weights(self) -> dict[str, MixingWeight]:
         """Static parts per sublayer: A_m's static row (2L, n), β's static part (2L, n), A_r's diagonal (2L, n)."""
-        return {
-            "hyperconnections/static_m": torch.stack([c.static_m.detach().float().cpu() for c in self.connections]),
-            "hyperconnections/static_beta": torch.stack(
-                [c.static_beta.detach().float().cpu() for c in self.connections]
-            ),
-            "hyperconnections/static_r_diag": torch.stack(
-                [c.static_r.detach().float().cpu().diagonal() for c in self.connections]
-            ),
-        }
+        return {f"hyperconnections/{name}": sublayer_matrix(torch.stack([part(c).detach().float().cpu()
+                                                                         for c in self.connections]), "residual copy")
+                for name, part in (("static_m", lambda c: c.static_m), ("static_beta", lambda c: c.static_beta),
+                                   ("static_r_diag", lambda c: c.static_r.diagonal()))}
+
+
+def sublayer_matrix(values: Tensor, col_label: str) -> MixingWeight:
+    """A (2L, n) weight with one row per sublayer, labelled a0, m0, a1, ... (attention, MLP)."""
+    return MixingWeight(values, "sublayer (a = attention, m = MLP)", col_label, 0,
+                        row_ticks=[f"{'am'[k % 2]}{k // 2}" for k in range(values.shape[0])])
+
+
+def extra_params(cfg: Any) -> int:
+    """Per sublayer: W_m (d), W_r (n·d), W_β (d), the norm (d), static e (n), I (n²), 1 (n), s_α, s_β."""
+    n, d = cfg.hyperconnections.expansion, cfg.d_model
+    return 2 * cfg.n_layers * ((n + 3) * d + n * n + 2 * n + 2)
+
+
+register(Architecture("hyperconnections", "Hyper-Connections", "dynamic hyper-connections, n residual copies",
+                      options=HyperConnectionOptions, stream=HyperConnectionStream, extra_params=extra_params,
+                      order=40))
