@@ -100,7 +100,10 @@ def resolve_model_config(cfg: Any) -> Any:
 
 _SIZE_RANGES = {"d_model": (1, 65_536), "n_layers": (1, 4096), "n_heads": (1, 4096), "n_kv_heads": (1, 4096),
                 "mlp_hidden": (0, 1_048_576), "vocab_size": (1, 10_000_000), "max_seq_len": (1, 4_194_304)}
-_SCALE_RANGES = {"rope_theta": (0, 1e12), "norm_eps": (0, 0.1), "init_std": (0, 10), "embed_init_std": (0, 100)}
+# (low, high, low excluded). norm_eps may be 0: with every RMSNorm scale-free, AttnRes starts exactly as the
+# Transformer (its parity test).
+_SCALE_RANGES = {"rope_theta": (0, 1e12, True), "norm_eps": (0, 0.1, False), "init_std": (0, 10, True),
+                 "embed_init_std": (0, 100, True)}
 
 
 def model_config_problems(cfg: Any) -> list[str]:
@@ -128,10 +131,10 @@ def model_config_problems(cfg: Any) -> list[str]:
         )
     elif cfg.head_dim % 2:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
-    for name, (low, high) in _SCALE_RANGES.items():
+    for name, (low, high, low_excluded) in _SCALE_RANGES.items():
         value = getattr(cfg, name)
-        if value is not None and not low < value <= high:
-            problems.append(f"model.{name} must be in ({low:g}, {high:g}], got {value!r}"
+        if value is not None and not ((low < value if low_excluded else low <= value) and value <= high):
+            problems.append(f"model.{name} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], got {value!r}"
                             + ("; null means model.init_std" if name == "embed_init_std" else ""))
     for arch in ARCHITECTURES.values():
         options = arch.options_of(cfg)

@@ -88,8 +88,8 @@ class AttentionOutput(NamedTuple):
 class Attention(nn.Module):
     """Causal self-attention: bias-free q/k/v/o, QK-norm before RoPE, GQA, SDPA, KV cache.
 
-    Layer 0 records its raw value projection as V_1. A later layer with a ``value_path`` forms
-    ``V'_n = value_path(V_n, V_1, h_n)`` before attending; V'_n is what goes into the KV cache.
+    Layer 0 records its raw value projection as V_1. A layer with a ``value_path`` forms
+    ``V'_n = value_path(V_n, V_1, h_n, v1_weight, tokens)`` before attending; V'_n is what goes into the KV cache.
     """
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None):
@@ -114,6 +114,7 @@ class Attention(nn.Module):
         v1: Tensor | None,
         v1_weight: Tensor | None = None,
         cache: LayerKVCache | None = None,
+        tokens: Tensor | None = None,
     ) -> AttentionOutput:
         B, T, _ = hq.shape
         q = self.q_proj(hq).view(B, T, self.n_heads, self.head_dim)
@@ -122,8 +123,8 @@ class Attention(nn.Module):
         gate = None
         if self.layer_idx == 0:
             v1 = v
-        elif self.value_path is not None:
-            v, gate = self.value_path(v, v1, hq, v1_weight)
+        if self.value_path is not None:
+            v, gate = self.value_path(v, v1, hq, v1_weight, tokens)
         cos, sin = rope
         q = apply_rotary(self.q_norm(q), cos, sin).transpose(1, 2)
         k = apply_rotary(self.k_norm(k), cos, sin).transpose(1, 2)
@@ -166,11 +167,11 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, mlp_hidden) if mlp_hidden > 0 else None
 
     def attend(self, xq: Tensor, rope, v1, v1_weight=None, cache=None, xk: Tensor | None = None,
-               xv: Tensor | None = None) -> AttentionOutput:
+               xv: Tensor | None = None, tokens: Tensor | None = None) -> AttentionOutput:
         hq = self.attn_norm(xq)
         hk = hq if xk is None else self.attn_norm_k(xk)
         hv = hq if xv is None else self.attn_norm_v(xv)
-        return self.attn(hq, hk, hv, rope, v1, v1_weight, cache)
+        return self.attn(hq, hk, hv, rope, v1, v1_weight, cache, tokens)
 
     def feedforward(self, x: Tensor) -> Tensor:
         if self.mlp is None:
@@ -178,9 +179,9 @@ class Block(nn.Module):
         return self.mlp(self.mlp_norm(x))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], v1: Tensor | None, v1_weight: Tensor | None = None,
-                cache: LayerKVCache | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                cache: LayerKVCache | None = None, tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Returns (block output, V_1, gate)."""
-        attn = self.attend(x, rope, v1, v1_weight, cache)
+        attn = self.attend(x, rope, v1, v1_weight, cache, tokens=tokens)
         x = x + attn.out
         if self.mlp is not None:
             x = x + self.feedforward(x)

@@ -76,7 +76,7 @@ class DecoderLM(nn.Module):
         start = 0 if cache is None else cache.length
         rope = self.rotary.tables(start, idx.shape[1])
         v1_weights = self.value_shared() if self.value_shared is not None else None
-        ctx = DepthContext(self.blocks, rope, v1_weights, cache)
+        ctx = DepthContext(self.blocks, rope, v1_weights, cache, idx)
         x = self.stream(self.embed(idx), ctx)
         if select is not None:
             x = x[select]

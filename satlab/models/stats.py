@@ -11,9 +11,11 @@ def count_params(model: nn.Module) -> int:
 
 
 def non_embedding_params(model) -> int:
-    """Parameters outside the token embedding and the LM head (tied by default: then one matrix)."""
+    """Parameters outside the embedding tables (the token embedding, and lookup tables such as value embeddings:
+    no FLOPs) and the LM head (tied by default: then one matrix)."""
     head = 0 if model.lm_head is None else model.lm_head.weight.numel()
-    return count_params(model) - model.embed.weight.numel() - head
+    tables = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    return count_params(model) - tables - head
 
 
 def flops_per_token(model, seq_len: int, head_fraction: float = 1.0) -> float:

@@ -18,8 +18,9 @@ class DepthContext:
     """What one forward pass hands from layer to layer. Created by the model for each call."""
 
     def __init__(self, blocks: nn.ModuleList, rope: tuple[Tensor, Tensor], v1_weights: Tensor | None,
-                 cache: KVCache | None):
+                 cache: KVCache | None, tokens: Tensor | None = None):
         self.blocks = blocks
+        self.tokens = tokens  # the token ids (B, T), for value paths that look tokens up (value embeddings)
         self.rope = rope
         self.v1_weights = v1_weights
         self.cache = cache
@@ -34,13 +35,13 @@ class DepthContext:
     def block(self, i: int, x: Tensor) -> Tensor:
         """Run block i as a plain pre-norm residual block."""
         weight, cache = self._layer_args(i)
-        x, self.v1, self.gates[i] = self.blocks[i](x, self.rope, self.v1, weight, cache)
+        x, self.v1, self.gates[i] = self.blocks[i](x, self.rope, self.v1, weight, cache, self.tokens)
         return x
 
     def attend(self, i: int, xq: Tensor, xk: Tensor | None = None, xv: Tensor | None = None) -> Tensor:
         """Block i's attention sublayer (norm included, residual not added)."""
         weight, cache = self._layer_args(i)
-        out = self.blocks[i].attend(xq, self.rope, self.v1, weight, cache, xk=xk, xv=xv)
+        out = self.blocks[i].attend(xq, self.rope, self.v1, weight, cache, xk=xk, xv=xv, tokens=self.tokens)
         self.v1, self.gates[i] = out.v1, out.gate
         return out.out
 

@@ -54,7 +54,8 @@ class ResFormerValue(nn.Module):
         if self.lambda2 is not None:
             nn.init.constant_(self.lambda2, 0.5)
 
-    def forward(self, v: Tensor, v1: Tensor, h: Tensor, v1_weight: Tensor | None) -> tuple[Tensor, None]:
+    def forward(self, v: Tensor, v1: Tensor, h: Tensor, v1_weight: Tensor | None,
+                tokens: Tensor | None = None) -> tuple[Tensor, None]:
         if self.fixed:
             return 0.5 * v1 + 0.5 * v, None
         return v1_weight * v1 + self.lambda2 * v, None

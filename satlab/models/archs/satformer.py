@@ -82,7 +82,8 @@ class SATFormerGate(nn.Module):
         logits = self.proj(h).view(h.shape[0], h.shape[1], *self.shape)
         return apply_gate_fn(self.gate_fn, logits)
 
-    def forward(self, v: Tensor, v1: Tensor, h: Tensor, v1_weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, v: Tensor, v1: Tensor, h: Tensor, v1_weight: Tensor | None,
+                tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         gate = self.gate(h)
         if self.detach_v1:
             v1 = v1.detach()
