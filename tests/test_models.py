@@ -69,9 +69,11 @@ def test_forward_backward_finite(variant):
     if variant["arch"] == "satformer":
         expected = 1 if variant.get("satformer", {}).get("last_k") else SMALL["n_layers"] - 1
         assert len(gated) == expected and out.gates[0] is None
-        assert all(g.shape[:2] == (2, 12) for g in gated)
+    elif ARCHITECTURES[variant["arch"]].gate_fn is not None:  # another gated value path: one gate per such layer
+        assert len(gated) == sum(b.attn.value_path is not None for b in model.blocks) > 0
     else:
         assert not gated
+    assert all(g.shape[:2] == (2, 12) for g in gated)
 
 
 def perturbed_transformer(**overrides):
@@ -125,10 +127,12 @@ def test_resformer_with_lambda1_zero_lambda2_one_is_transformer():
     assert_same_logits(model, reference)
 
 
-@pytest.mark.parametrize("arch", ["denseformer", "hyperconnections", "muddformer"])
-def test_residual_stream_variants_start_as_transformer(arch):
-    reference = perturbed_transformer()
-    model = make(dict(arch=arch))
+@pytest.mark.parametrize("arch", [a for a, entry in ARCHITECTURES.items() if entry.exact_start is not None])
+def test_architectures_start_exactly_as_the_transformer_with_its_weights(arch):
+    """In float64, under the conditions the architecture declares (e.g. every RMSNorm eps 0 for AttnRes)."""
+    condition = dict(ARCHITECTURES[arch].exact_start)
+    reference = perturbed_transformer(**condition).double()
+    model = make(dict(arch=arch), **condition).double()
     load_same_weights(model, reference)
     assert_same_logits(model, reference)
 
@@ -239,11 +243,19 @@ def test_generate_greedy_matches_argmax_of_full_forward():
 
 
 @pytest.mark.parametrize("size", list(PAPER_PARAM_COUNTS))
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_paper_preset_parameter_counts_match_spec(size, arch):
-    model = build_model(dict(arch=arch, size=size), device="meta")
+def test_paper_preset_transformer_parameter_counts_match_spec(size):
+    model = build_model(dict(arch="transformer", size=size), device="meta")
     assert abs(count_params(model) / PAPER_PARAM_COUNTS[size] - 1) < 0.01
     assert non_embedding_params(model) == count_params(model) - 32000 * model.cfg.d_model
+
+
+@pytest.mark.parametrize("size", [*PAPER_PARAM_COUNTS, "tiny", "recall-2l"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_parameter_counts_match_the_spec_formulas(size, arch):
+    """Every architecture: the Transformer's parameters plus what its spec's formula adds."""
+    model = build_model(dict(arch=arch, size=size), device="meta")
+    base = build_model(dict(arch="transformer", size=size), device="meta")
+    assert count_params(model) - count_params(base) == ARCHITECTURES[arch].extra_params(model.cfg)
 
 
 def test_satformer_adds_about_a_tenth_of_a_percent_of_parameters():

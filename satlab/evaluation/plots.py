@@ -153,7 +153,10 @@ def plot_static_weights(model: nn.Module) -> dict[str, Figure]:
 def value_access(model: nn.Module, report: GateReport | None = None) -> dict[int, float] | None:
     """Per layer, the coefficient on V_1 in V'_n: the mean gate (from ``report``), or the static weight the
     architecture declares as its V_1 coefficient (ResFormer's λ1, 0.5 when fixed); None otherwise."""
+    architecture = getattr(model, "architecture", None)
     if report is not None:
+        if architecture is not None and architecture.gate_target != "V_1":
+            return None
         return {layer: float(report.mean[row].mean()) for row, layer in enumerate(report.layers)}
     for weight in model.mixing_weights().values():
         if weight.v1_coefficient:

@@ -32,7 +32,7 @@ class Architecture:
     and a ``problems(cfg)`` method checks what depends on the sizes); ``stream``: the depth loop; ``value_path``:
     layer n's value path (or None); ``value_shared``: per-forward weights shared by the value paths;
     ``variants``: named option sets for ``satlab archs``; ``exact_start``: model-config overrides under which the
-    initial model equals the Transformer with the same weights; ``extra_params``: the spec's count of parameters
+    initial model equals the Transformer with the same weights (None: it does not start as the Transformer); ``extra_params``: the spec's count of parameters
     beyond the Transformer's; ``gate_fn``: the gate function of its value-path gates, for the gate analysis;
     ``mixing_weights``: its static mixing weights for plots, from a built model (default: its depth loop's)."""
 
@@ -44,9 +44,10 @@ class Architecture:
     value_path: Callable[[Any, int], nn.Module | None] = no_value_path
     value_shared: Callable[[Any], nn.Module | None] = no_shared
     variants: tuple[tuple[str, Mapping[str, Any]], ...] = ()
-    exact_start: Mapping[str, Any] = field(default_factory=dict)
+    exact_start: Mapping[str, Any] | None = None
     extra_params: Callable[[Any], int] | None = None
     gate_fn: Callable[[Any], str] | None = None
+    gate_target: str = "V_1"  # what its gates multiply (value-access plots compare gates on V_1 only)
     mixing_weights: Callable[[Any], dict[str, MixingWeight]] | None = None
     order: int = 1000  # where it is listed (tables, bench, reports): the Transformer first, then by lineage
 

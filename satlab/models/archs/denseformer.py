@@ -84,5 +84,5 @@ def extra_params(cfg: Any) -> int:
 
 
 register(Architecture("denseformer", "DenseFormer", "depth-weighted average of all earlier block outputs",
-                      options=DenseFormerOptions, stream=DenseFormerStream, extra_params=extra_params,
+                      options=DenseFormerOptions, stream=DenseFormerStream, extra_params=extra_params, exact_start={},
                       variants=(("denseformer dilation=2 period=2", {"dilation": 2, "period": 2}),), order=30))

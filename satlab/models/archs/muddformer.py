@@ -127,5 +127,5 @@ def extra_params(cfg: Any) -> int:
 
 
 register(Architecture("muddformer", "MUDDFormer", "multiway dynamic dense connections (Q, K, V, R)",
-                      options=MUDDFormerOptions, stream=MUDDStream, extra_params=extra_params,
+                      options=MUDDFormerOptions, stream=MUDDStream, extra_params=extra_params, exact_start={},
                       variants=(("muddformer ffn_realloc", {"ffn_realloc": True}),), order=50))

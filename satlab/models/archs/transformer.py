@@ -3,4 +3,4 @@
 from satlab.models.architecture import Architecture, register
 
 register(Architecture("transformer", "Transformer", "Llama-style pre-norm Transformer (Transformer++)",
-                      extra_params=lambda cfg: 0, order=0))
+                      extra_params=lambda cfg: 0, exact_start={}, order=0))
