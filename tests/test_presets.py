@@ -13,12 +13,13 @@ from satlab.models.config import PAPER_PARAM_COUNTS, SIZE_PRESETS
 # size -> (token budget, peak LR), from the spec's "Paper presets" table
 PAPER = {"small": (5_000_000_000, 2e-3), "medium": (10_000_000_000, 1.5e-3), "large": (20_000_000_000, 1e-3),
          "xl": (30_000_000_000, 8e-4)}
-DENSE = ("denseformer", "hyperconnections", "muddformer")
+PAPER_XL = ("transformer", "resformer", "satformer")  # the paper has no dense baselines at xl
+PAPER_ARCHS = (*PAPER_XL, "denseformer", "hyperconnections", "muddformer")  # the rest came after the paper
 UNMATCHED = ("model.arch", "name", "description")  # what may differ between the architectures of one size
 
 
 def archs(size: str) -> list[str]:
-    return [a for a in list(ARCHITECTURES) if size != "xl" or a not in DENSE]
+    return [a for a in list(ARCHITECTURES) if size != "xl" or a in PAPER_XL]
 
 
 CASES = [(size, arch) for size in PAPER for arch in archs(size)]
@@ -28,7 +29,7 @@ def test_every_size_and_architecture_has_a_preset() -> None:
     names = {n for n in list_experiments() if n.startswith("paper/")}
     expected = {f"paper/{size}/{arch}" for size, arch in CASES} | {f"paper/{s}/_base" for s in PAPER} | {"paper/base"}
     assert names == expected
-    assert not any(f"paper/xl/{arch}" in names for arch in DENSE)  # the paper has no dense baselines at xl
+    assert not any(f"paper/xl/{arch}" in names for arch in ARCHITECTURES if arch not in PAPER_XL)
 
 
 @pytest.mark.parametrize(("size", "arch"), CASES)
@@ -38,7 +39,8 @@ def test_paper_preset_builds_with_the_papers_parameter_count(size: str, arch: st
     for key, value in SIZE_PRESETS[size].items():
         assert getattr(cfg.model, key) == value, key
     params = count_params(build_model(cfg.model, device="meta"))
-    assert abs(params / PAPER_PARAM_COUNTS[size] - 1) < 0.01, f"{params:,} vs {PAPER_PARAM_COUNTS[size]:,.0f}"
+    if arch in PAPER_ARCHS:  # the later baselines add what their formulas say (test_models), mHC 1.3 %, VE 96 %
+        assert abs(params / PAPER_PARAM_COUNTS[size] - 1) < 0.01, f"{params:,} vs {PAPER_PARAM_COUNTS[size]:,.0f}"
 
 
 @pytest.mark.parametrize("size", PAPER)
@@ -82,8 +84,11 @@ def test_the_released_configs_slips_are_matched_and_noted() -> None:
 @pytest.mark.parametrize(("size", "arch"), CASES)
 def test_each_preset_says_what_it_reproduces(size: str, arch: str) -> None:
     text = (default_experiments_dir() / "paper" / size / f"{arch}.yaml").read_text()
-    assert text.startswith(f"# Reproduces the paper's {size} ")
-    assert "Paper presets" in text
+    if arch in PAPER_ARCHS:
+        assert text.startswith(f"# Reproduces the paper's {size} ")
+        assert "Paper presets" in text
+    else:  # not a reproduction: the paper's setting with a later baseline
+        assert text.startswith(f"# The paper's {size} ") and "did not run" in text and "more-baselines.md" in text
 
 
 @pytest.mark.parametrize("size", PAPER)

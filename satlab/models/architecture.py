@@ -10,7 +10,7 @@ module in it, so adding one is adding a file.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -32,9 +32,10 @@ class Architecture:
     and a ``problems(cfg)`` method checks what depends on the sizes); ``stream``: the depth loop; ``value_path``:
     layer n's value path (or None); ``value_shared``: per-forward weights shared by the value paths;
     ``variants``: named option sets for ``satlab archs``; ``exact_start``: model-config overrides under which the
-    initial model equals the Transformer with the same weights (None: it does not start as the Transformer); ``extra_params``: the spec's count of parameters
-    beyond the Transformer's; ``gate_fn``: the gate function of its value-path gates, for the gate analysis;
-    ``mixing_weights``: its static mixing weights for plots, from a built model (default: its depth loop's)."""
+    initial model equals the Transformer with the same weights (None: it does not start as the Transformer);
+    ``extra_params``: the spec's count of parameters beyond the Transformer's; ``gate_fn``: the gate function of
+    its value-path gates, for the gate analysis; ``mixing_weights``: its static mixing weights for plots, from a
+    built model (default: its depth loop's)."""
 
     name: str
     label: str

@@ -179,7 +179,8 @@ class Block(nn.Module):
         return self.mlp(self.mlp_norm(x))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], v1: Tensor | None, v1_weight: Tensor | None = None,
-                cache: LayerKVCache | None = None, tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                cache: LayerKVCache | None = None,
+                tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Returns (block output, V_1, gate)."""
         attn = self.attend(x, rope, v1, v1_weight, cache, tokens=tokens)
         x = x + attn.out

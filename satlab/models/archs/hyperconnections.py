@@ -130,5 +130,5 @@ def extra_params(cfg: Any) -> int:
 
 
 register(Architecture("hyperconnections", "Hyper-Connections", "dynamic hyper-connections, n residual copies",
-                      options=HyperConnectionOptions, stream=HyperConnectionStream, extra_params=extra_params, exact_start={},
-                      order=40))
+                      options=HyperConnectionOptions, stream=HyperConnectionStream, extra_params=extra_params,
+                      exact_start={}, order=40))

@@ -1,0 +1,178 @@
+"""Attention Residuals (Kimi, arXiv 2603.15031): every sublayer reads a softmax-weighted sum over the earlier
+sublayers' outputs instead of a residual stream (``shared/spec/more-baselines.md``). Two architectures:
+
+- ``attnres`` (Full): h_s = Σ_{j≤s} α_{j→s} v_j with v_0 = X_0 (the embedding), v_{j+1} = F_j(h_j) the raw sublayer
+  outputs, α_{j→s} = softmax_j(w_sᵀ RMSNorm(v_j)). No ``x + f`` remains. An extra query w_out attends over all
+  sources for the output (then the final norm and head; the paper states it for Block, the analogue for Full is
+  [unverified]).
+- ``block_attnres``: blocks of ``block_size`` sublayers (default 4, boundaries before attention sublayers). b_0 = X_0,
+  b_n = the sum of block n's outputs; the first sublayer of block n attends [b_0..b_{n-1}], a later one also the
+  block's partial sum; the output attends [b_0..b_N], the last (possibly partial) block included.
+
+One scalar weight per source (per-head mixing was worse in the paper's ablation), and the query is a learned vector,
+independent of the input. The keys are RMSNorm(v_j) without a weight, computed once per source; each consumer's
+key-norm weight (present [unverified], initialised to 1) folds into its query, w_s ⊙ g_s. The queries start at 0
+(the paper: they "must be initialized to zero"), so every α is uniform and h_s = S_s / m_s, the Transformer's residual
+stream over the number of sources: every consumer is an RMSNorm, so the model starts exactly as the Transformer only
+when every RMSNorm eps is 0 (the parity condition below), up to O(eps) otherwise.
+
+Full keeps its sources in a preallocated :class:`~satlab.models.depth_buffer.DepthBuffer` (no stack per sublayer);
+Block, with at most N + 2 sources, stacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.models.depth_buffer import DepthBuffer
+from satlab.models.streams import DepthContext, ResidualStream
+
+
+@dataclass
+class BlockAttnResOptions:
+    block_size: int = field(default=4, metadata={"range": (2, 4096, False)})  # sublayers per block
+
+    def problems(self, cfg: Any) -> list[str]:
+        if cfg.mlp_hidden > 0 and self.block_size % 2:
+            return [f"model.block_attnres.block_size={self.block_size} must be even: blocks begin at attention "
+                    "sublayers (each layer is an attention and an MLP sublayer)"]
+        return []
+
+
+class DepthQuery(nn.Module):
+    """One consumer's query w_s (zero at the start: uniform weights) and key-norm weight g_s."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(d_model))
+        self.key_weight = nn.Parameter(torch.ones(d_model))
+
+    def init_weights(self) -> None:
+        nn.init.zeros_(self.query)
+        nn.init.ones_(self.key_weight)
+
+    def weights(self, keys: list[Tensor]) -> Tensor:
+        """α over the sources (B, T, J) from their normalised keys (each (B, T, d)); the softmax in fp32."""
+        q = (self.query * self.key_weight).unsqueeze(0)
+        scores = torch.cat([F.linear(k, q.to(k.dtype)) for k in keys], dim=-1)
+        return torch.softmax(scores.float(), dim=-1)
+
+
+def sublayers(ctx: DepthContext) -> list[Callable[[Tensor], Tensor]]:
+    """Each block's attention, then its MLP when it has one, as functions of their (un-normalised) input."""
+    out = []
+    for i, block in enumerate(ctx.blocks):
+        out.append(lambda h, i=i: ctx.attend(i, h))
+        if block.mlp is not None:
+            out.append(lambda h, i=i: ctx.feedforward(i, h))
+    return out
+
+
+def n_sublayers(cfg: Any) -> int:
+    return cfg.n_layers * (2 if cfg.mlp_hidden > 0 else 1)
+
+
+class AttnResStream(ResidualStream):
+    """Full AttnRes: 2L sublayer queries and the output's."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.eps, self.d = cfg.norm_eps, cfg.d_model
+        self.queries = nn.ModuleList(DepthQuery(cfg.d_model) for _ in range(n_sublayers(cfg) + 1))
+
+    def init_weights(self) -> None:
+        for query in self.queries:
+            query.init_weights()
+
+    def key(self, v: Tensor) -> Tensor:
+        return F.rms_norm(v, (self.d,), None, self.eps)
+
+    def sources_per_consumer(self) -> list[int]:
+        return list(range(1, len(self.queries) + 1))
+
+    def extra_flops_per_token(self) -> float:
+        """Per consumer and source a score (2d) and its share of the weighted sum (2d), forward and backward."""
+        return 3 * 4 * self.d * sum(self.sources_per_consumer())
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        functions = sublayers(ctx)
+        sources = DepthBuffer(x, len(functions) + 1, dim=-2)
+        keys: list[Tensor] = []
+        v = x
+        for s, query in enumerate(self.queries):
+            keys.append(self.key(v))
+            h = sources.append(v, query.weights(keys).to(v.dtype).unsqueeze(-2)).squeeze(-2)
+            if s == len(functions):
+                return h
+            v = functions[s](h)
+        raise AssertionError("the output query is the last")
+
+    def mixing_weights(self) -> dict[str, MixingWeight]:
+        return {f"{self.family}/query_norm": query_norms(self.queries)}
+
+    family = "attnres"
+
+
+class BlockAttnResStream(AttnResStream):
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.block_size = cfg.block_attnres.block_size
+
+    def sources_per_consumer(self) -> list[int]:
+        counts = [s // self.block_size + 1 + (s % self.block_size > 0) for s in range(len(self.queries) - 1)]
+        blocks = -(-(len(self.queries) - 1) // self.block_size)
+        return [*counts, blocks + 1]
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        functions = sublayers(ctx)
+        done, done_keys = [x], [self.key(x)]
+        partial: Tensor | None = None
+        for s, function in enumerate(functions):
+            if s % self.block_size == 0 and partial is not None:
+                done.append(partial)
+                done_keys.append(self.key(partial))
+                partial = None
+            out = function(self.read(self.queries[s], done, done_keys, partial))
+            partial = out if partial is None else partial + out
+        if partial is not None:
+            done.append(partial)
+            done_keys.append(self.key(partial))
+        return self.read(self.queries[-1], done, done_keys, None)
+
+    def read(self, query: DepthQuery, done: list[Tensor], done_keys: list[Tensor], partial: Tensor | None) -> Tensor:
+        sources = done if partial is None else [*done, partial]
+        keys = done_keys if partial is None else [*done_keys, self.key(partial)]
+        alpha = query.weights(keys).to(sources[0].dtype).unsqueeze(-2)  # (B, T, 1, J)
+        return torch.matmul(alpha, torch.stack(sources, dim=-2)).squeeze(-2)
+
+    family = "block_attnres"
+
+
+def query_norms(queries: nn.ModuleList) -> MixingWeight:
+    """‖w_s ⊙ g_s‖ per consumer (0: uniform weights over the sources), the output's last."""
+    with torch.no_grad():
+        norms = torch.stack([(q.query * q.key_weight).norm() for q in queries]).float().cpu()
+    return MixingWeight(norms, "consumer (sublayer, then the output)", first_row=0)
+
+
+def extra_params(cfg: Any) -> int:
+    """(2L + 1)·d queries and as many key-norm weights (one per consumer: the sublayers and the output)."""
+    return 2 * (n_sublayers(cfg) + 1) * cfg.d_model
+
+
+register(Architecture(
+    "attnres", "AttnRes", "Attention Residuals (Full): softmax over all earlier sublayer outputs, no residual add",
+    stream=AttnResStream, extra_params=extra_params, exact_start={"norm_eps": 0.0}, order=70,
+))
+register(Architecture(
+    "block_attnres", "Block AttnRes", "Attention Residuals over blocks of sublayers (block sums and a partial sum)",
+    options=BlockAttnResOptions, stream=BlockAttnResStream, extra_params=extra_params,
+    exact_start={"norm_eps": 0.0}, variants=(("block_attnres block_size=2", {"block_size": 2}),), order=75,
+))

@@ -1,0 +1,163 @@
+"""Manifold-constrained hyper-connections (mHC, DeepSeek, arXiv 2512.24880), n residual streams, exactly as
+``shared/spec/more-baselines.md`` states it.
+
+X (B, T, n, d) starts as n copies of the embedding. Per sublayer s, from x̃ = vec(X) and r = ‖x̃‖/√(nd) (per token,
+fp32): m = x̃φ/r split [pre n | post n | res n²], H_pre = σ(α_pre·m_pre + b_pre), H_post = 2σ(α_post·m_post + b_post),
+H_res = Sinkhorn-Knopp(α_res·m_res + b_res) (exp, then 20 times "columns, then rows"), and
+X_i ← Σ_j H_res[i,j] X_j + H_post,i · F_s(Σ_j H_pre,j X_j). Readout (DeepSeek-V4's head):
+y = Σ_j σ(α_h(x̃φ_h)_j/r + b_h,j) X_j, then the final norm and head.
+
+Zoo init (the spec's exact start, since the paper gives only α = 0.01): φ = φ_h = 0; b_post = 0 (H_post = 1);
+b_res = ln(19(n−1))·I (doubly stochastic already, diagonal 0.95); b_pre = logit(p), p_{s mod n} = 1/2, the others
+1/(2(n−1)) (a symmetric start would keep the streams identical for ever); b_h = −ln(n−1) (mean readout); every eps 0
+(the norm r keeps the model's ``norm_eps`` inside its square root, where φ = 0 makes it irrelevant at the start).
+Weight decay: b and α none, φ and φ_h as matrices. No fused kernels here (the paper's +6.7 % is with them), and
+the coefficients are recomputed by autograd rather than by the paper's blockwise recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.models.streams import DepthContext, ResidualStream
+
+
+@dataclass
+class MHCOptions:
+    streams: int = field(default=4, metadata={"range": (2, 16, False)})
+    sinkhorn_iters: int = field(default=20, metadata={"range": (1, 1000, False)})
+
+
+def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+    """exp(logits - max), then ``iters`` times: normalise the columns, then the rows (rows last: each output stream
+    is an exact convex combination). (..., n, n), differentiable through every iteration."""
+    matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
+    return matrix
+
+
+class ManifoldConnection(nn.Module):
+    """The coefficients of one sublayer s: φ (nd × (n² + 2n)), b, and α_pre, α_post, α_res."""
+
+    no_weight_decay_params = ("b_pre", "b_post", "b_res", "alpha")
+
+    def __init__(self, d_model: int, n: int, s: int, iters: int, eps: float):
+        super().__init__()
+        self.n, self.s, self.iters, self.eps = n, s, iters, eps
+        self.phi = nn.Linear(n * d_model, n * n + 2 * n, bias=False)
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.alpha = nn.Parameter(torch.empty(3))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.zeros_(self.phi.weight)
+        if self.b_pre.device.type == "meta":
+            return
+        n = self.n
+        with torch.no_grad():
+            p = torch.full((n,), 1 / (2 * (n - 1)))
+            p[self.s % n] = 0.5
+            self.b_pre.copy_(torch.log(p / (1 - p)))
+            self.b_post.zero_()
+            self.b_res.copy_(math.log(19 * (n - 1)) * torch.eye(n))
+            self.alpha.fill_(0.01)
+
+    def forward(self, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n)) for the streams X, in fp32."""
+        n = self.n
+        flat = X.flatten(-2).float()
+        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        m = self.phi(flat.to(self.phi.weight.dtype)).float() / r
+        pre, post, res = m.split((n, n, n * n), dim=-1)
+        h_pre = torch.sigmoid(self.alpha[0] * pre + self.b_pre)
+        h_post = 2 * torch.sigmoid(self.alpha[1] * post + self.b_post)
+        h_res = sinkhorn(self.alpha[2] * res.unflatten(-1, (n, n)) + self.b_res, self.iters)
+        return h_pre, h_post, h_res
+
+
+class ManifoldHead(nn.Module):
+    """The readout y = Σ_j σ(α_h(x̃φ_h)_j / r + b_h,j) X_j."""
+
+    no_weight_decay_params = ("b", "alpha")
+
+    def __init__(self, d_model: int, n: int, eps: float):
+        super().__init__()
+        self.n, self.eps = n, eps
+        self.phi = nn.Linear(n * d_model, n, bias=False)
+        self.b = nn.Parameter(torch.empty(n))
+        self.alpha = nn.Parameter(torch.empty(()))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.zeros_(self.phi.weight)
+        if self.b.device.type != "meta":
+            with torch.no_grad():
+                self.b.fill_(-math.log(self.n - 1))
+                self.alpha.fill_(0.01)
+
+    def forward(self, X: Tensor) -> Tensor:
+        flat = X.flatten(-2).float()
+        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        weights = torch.sigmoid(self.alpha * self.phi(flat.to(self.phi.weight.dtype)).float() / r + self.b)
+        return torch.einsum("btn,btnd->btd", weights.to(X.dtype), X)
+
+
+class MHCStream(ResidualStream):
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        options = cfg.mhc
+        self.n = options.streams
+        self.connections = nn.ModuleList(ManifoldConnection(cfg.d_model, self.n, s, options.sinkhorn_iters,
+                                                            cfg.norm_eps) for s in range(2 * cfg.n_layers))
+        self.head = ManifoldHead(cfg.d_model, self.n, cfg.norm_eps)
+
+    def init_weights(self) -> None:
+        for module in (*self.connections, self.head):
+            module.init_weights()
+
+    def extra_flops_per_token(self) -> float:
+        """Per sublayer the stream mixing Σ_j H_pre,j X_j (2nd) and H_res X (2n²d), and the readout's (2nd), forward
+        and backward (x3); the coefficient matmuls x̃φ are parameters (in 6·N), the rest elementwise."""
+        d = self.connections[0].phi.in_features // self.n
+        return 3 * (len(self.connections) * 2 * self.n * (self.n + 1) * d + 2 * self.n * d)
+
+    def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
+        X = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        for i in range(len(ctx.blocks)):
+            for s, sublayer in ((2 * i, ctx.attend), (2 * i + 1, ctx.feedforward)):
+                h_pre, h_post, h_res = (c.to(X.dtype) for c in self.connections[s](X))
+                out = sublayer(i, torch.einsum("btn,btnd->btd", h_pre, X))
+                X = torch.einsum("btij,btjd->btid", h_res, X) + h_post.unsqueeze(-1) * out.unsqueeze(-2)
+        return self.head(X)
+
+    def mixing_weights(self) -> dict[str, MixingWeight]:
+        """The static parts at zero input: σ(b_pre), 2σ(b_post) and diag Sinkhorn(b_res) per sublayer (2L, n)."""
+        with torch.no_grad():
+            parts = {"pre": [torch.sigmoid(c.b_pre) for c in self.connections],
+                     "post": [2 * torch.sigmoid(c.b_post) for c in self.connections],
+                     "res_diag": [sinkhorn(c.b_res, c.iters).diagonal() for c in self.connections]}
+        return {f"mhc/{name}": MixingWeight(torch.stack(rows).float().cpu(), "sublayer (a = attention, m = MLP)",
+                                            "stream", 0, row_ticks=[f"{'am'[k % 2]}{k // 2}" for k in range(len(rows))])
+                for name, rows in parts.items()}
+
+
+def extra_params(cfg: Any) -> int:
+    """2L(nd(n² + 2n) + n² + 2n + 3) + n²d + n + 1 (the spec's count)."""
+    n, d, L = cfg.mhc.streams, cfg.d_model, cfg.n_layers
+    return 2 * L * (n * d * (n * n + 2 * n) + n * n + 2 * n + 3) + n * n * d + n + 1
+
+
+register(Architecture(
+    "mhc", "mHC", "manifold-constrained hyper-connections: n streams, doubly stochastic mixing (Sinkhorn-Knopp)",
+    options=MHCOptions, stream=MHCStream, extra_params=extra_params, exact_start={}, order=60,
+))
