@@ -109,9 +109,10 @@ def test_shipped_ablations_expand_and_load() -> None:
     names = list_specs(AblationSpec)
     assert {"arch_tiny", "granularity", "gate_fn", "arch_small", "arch_xl"} <= set(names)
     arch = load_ablation("arch_tiny")
-    assert len(arch.cells()) == 18 and arch.baseline_values() == {"model.arch": "transformer"}
+    assert len(arch.cells()) == 30 and arch.baseline_values() == {"model.arch": "transformer"}
     assert sorted(arch.axes["model.arch"]) == sorted(["transformer", "resformer", "satformer", "denseformer",
-                                                      "hyperconnections", "muddformer"])
+                                                      "hyperconnections", "muddformer", "mhc", "attnres",
+                                                      "block_attnres", "value_embed"])
     base = arch.base_config()
     assert (base.model.size, base.train.precision, base.train.compile) == ("tiny", "32-true", False)
     assert len(load_ablation("granularity").cells()) == 15 and len(load_ablation("gate_fn").cells()) == 18
