@@ -30,7 +30,7 @@ def archs_table(size: str, seq_len: int | None = None, all_functions: bool = Fal
         table.add_column(column, justify="left" if column.startswith("arch") else "right", no_wrap=True)
     base = None
     for label, overrides in variants():
-        gate_fn = overrides.get("satformer", {}).get("gate_fn", "relu")
+        gate_fn = next((o["gate_fn"] for o in overrides.values() if isinstance(o, dict) and "gate_fn" in o), "relu")
         if not all_functions and gate_fn != "relu":
             continue
         try:

@@ -82,6 +82,7 @@ class GateReport:
     dead: np.ndarray
     categories: dict[str, CategoryTable] = field(default_factory=dict)
     settings: dict[str, float] = field(default_factory=dict)
+    label: str = "SATFormer"  # the architecture's display name
 
     @property
     def saturated(self) -> np.ndarray:
@@ -159,6 +160,7 @@ def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None
     saturated_at = [[bounds[w] if s >= saturation_share else None for s, w in zip(s_row, w_row, strict=True)]
                     for s_row, w_row in zip(share.tolist(), which.tolist(), strict=True)]
     return GateReport(
+        label=architecture.label if architecture is not None else "SATFormer",
         gate_fn=gate_fn,
         granularity=getattr(options, "gate_granularity", "token_head"),
         layers=layers,

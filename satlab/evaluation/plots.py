@@ -62,7 +62,7 @@ def plot_gate_heatmap(report: GateReport) -> Figure:
     ax.set_yticks(range(len(report.layers)), [str(layer) for layer in report.layers])
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
-    ax.set_title(f"SATFormer gates ({report.gate_fn}, {report.granularity}, {report.n_tokens} tokens)", fontsize=9)
+    ax.set_title(f"{report.label} gates ({report.gate_fn}, {report.granularity}, {report.n_tokens} tokens)", fontsize=9)
     handles = [Patch(fill=False, edgecolor="red", label="dead"), Patch(fill=False, edgecolor="orange",
                                                                        label="saturated")]
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7, frameon=False)
@@ -91,7 +91,7 @@ def plot_gate_categories(report: GateReport) -> Figure:
     axes[0].set_ylabel("mean gate")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=7, frameon=False)
-    fig.suptitle(f"Gate by token category ({report.gate_fn}, {report.granularity})", fontsize=10)
+    fig.suptitle(f"{report.label}: gate by token category ({report.gate_fn}, {report.granularity})", fontsize=10)
     return fig
 
 

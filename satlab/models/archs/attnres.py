@@ -82,6 +82,8 @@ def n_sublayers(cfg: Any) -> int:
 class AttnResStream(ResidualStream):
     """Full AttnRes: 2L sublayer queries and the output's."""
 
+    family = "attnres"  # its mixing weights' name in plots
+
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.eps, self.d = cfg.norm_eps, cfg.d_model
@@ -117,10 +119,10 @@ class AttnResStream(ResidualStream):
     def mixing_weights(self) -> dict[str, MixingWeight]:
         return {f"{self.family}/query_norm": query_norms(self.queries)}
 
-    family = "attnres"
-
 
 class BlockAttnResStream(AttnResStream):
+    family = "block_attnres"
+
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.block_size = cfg.block_attnres.block_size
@@ -151,8 +153,6 @@ class BlockAttnResStream(AttnResStream):
         keys = done_keys if partial is None else [*done_keys, self.key(partial)]
         alpha = query.weights(keys).to(sources[0].dtype).unsqueeze(-2)  # (B, T, 1, J)
         return torch.matmul(alpha, torch.stack(sources, dim=-2)).squeeze(-2)
-
-    family = "block_attnres"
 
 
 def query_norms(queries: nn.ModuleList) -> MixingWeight:
