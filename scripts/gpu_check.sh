@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 GPUS=$(nvidia-smi -L | wc -l)
 
 echo "== 1. bench: every architecture, small size, bf16, compiled =="
-"$SATLAB" bench --size small --batch 8 --seq-len 2048 --precision bf16-mixed --compile --rounds 8 --warmup 3 \
+"$SATLAB" bench --size small --batch 8 --seq-len 2048 --precision bf16-mixed --compile --rounds 8 --max-rounds 30 --warmup 3 \
   --no-overhead --out "$OUT/bench_small.json" 2>&1 | tee "$OUT/bench_small.txt"
 
 # A small local corpus keeps the Trainer run offline; the model is the paper's small one.

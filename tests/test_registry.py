@@ -68,7 +68,7 @@ def test_a_toy_is_benchmarked_next_to_the_transformer(toy, tmp_path):
 
     out = tmp_path / "bench.json"
     assert main(["bench", "--archs", "transformer,toy", "--batch", "2", "--seq-len", "32", "--rounds", "2",
-                 "--warmup", "1", "--no-overhead", "--no-mlflow", "--out", str(out)]) == 0
+                 "--warmup", "1", "--max-rounds", "2", "--no-overhead", "--no-mlflow", "--out", str(out)]) == 0
     assert [r["arch"] for r in json.loads(out.read_text())["results"]] == ["transformer", "toy"]
 
 

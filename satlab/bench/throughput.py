@@ -1,5 +1,6 @@
-"""A fair side-by-side training benchmark: one process, architectures interleaved (A B C A B C ...), warm-up and
-compile time excluded from throughput and reported apart, memory and MFU per architecture.
+"""A fair side-by-side training benchmark: one process, each architecture stepped right after the reference in every
+round (paired ratios with confidence intervals), warm-up and compile time excluded from throughput and reported
+apart, memory and MFU per architecture.
 
 Memory: on CUDA, ``max_memory_allocated`` over each architecture's own steps. On a CPU there is no allocator
 statistic, and RSS mixes all the models of the process, so the bench counts what a step must hold: the tensors
@@ -13,12 +14,53 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy import stats
 
 from satlab.models import build_model, count_params, flops_per_token
 from satlab.training.parallel import compile_blocks
 from satlab.training.perf import device_peak_flops
+
+
+@dataclass
+class PairedRatio:
+    """An architecture's tokens/s over the reference's from rounds in which the two ran back to back (reference step,
+    then its step): the geometric mean of the per-round ratios and its 95 % t-interval. Pairing cancels the drift
+    of a machine's speed between rounds, which unpaired medians (spread 7-22 % per step here) cannot resolve."""
+
+    reference: str
+    ratios: list[float] = field(repr=False)
+
+    def _log_stats(self) -> tuple[float, float]:
+        logs = np.log(self.ratios)
+        if len(logs) < 2:
+            return float(logs.mean()), float("inf")
+        return float(logs.mean()), float(stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)))
+
+    @property
+    def mean(self) -> float:
+        return float(np.exp(self._log_stats()[0]))
+
+    @property
+    def low(self) -> float:
+        mean, half = self._log_stats()
+        return float(np.exp(mean - half))
+
+    @property
+    def high(self) -> float:
+        mean, half = self._log_stats()
+        return float(np.exp(mean + half))
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width relative to the ratio (0.01: ± 1 %)."""
+        return (self.high - self.low) / 2 / self.mean
+
+    def as_dict(self) -> dict:
+        return {"reference": self.reference, "rounds": len(self.ratios), "mean": self.mean, "low": self.low,
+                "high": self.high, "half_width": self.half_width}
 
 
 @dataclass
@@ -31,6 +73,7 @@ class BenchResult:
     peak_mem_gb: float
     flops_per_token: float
     peak_flops: float | None
+    ratio: PairedRatio | None = None  # tokens/s against the reference (None for the reference itself)
 
     @property
     def median_step(self) -> float:
@@ -56,6 +99,7 @@ class BenchResult:
 
     def as_dict(self) -> dict:
         data = asdict(self)
+        data["ratio"] = self.ratio.as_dict() if self.ratio is not None else None
         data.update(median_step=self.median_step, spread=self.spread, tokens_per_sec=self.tokens_per_sec,
                     tflops=self.tflops, mfu=self.mfu)
         return data
@@ -126,8 +170,11 @@ def _cpu_step_memory(runner: _Runner) -> int:
 
 def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len: int = 256, rounds: int = 10,
               warmup: int = 3, device: str = "auto", precision: str = "32-true", compile: bool = False,
-              seed: int = 0, overrides: dict | None = None) -> list[BenchResult]:
-    """Interleaved training-step benchmark of ``archs`` at one size and batch."""
+              seed: int = 0, overrides: dict | None = None, ci_target: float | None = None,
+              max_rounds: int | None = None) -> list[BenchResult]:
+    """Interleaved training-step benchmark of ``archs`` at one size and batch. Each round steps the reference (the
+    Transformer if present, else the first) and then each other architecture, in pairs; after ``rounds`` rounds it
+    goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
@@ -137,16 +184,26 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
         for _ in range(warmup):
             runner.step()
         runner.compile_seconds = time.perf_counter() - start if compile else 0.0
+    reference = next((r for r in runners if r.arch == "transformer"), runners[0])
+    others = [r for r in runners if r is not reference]
     times: dict[str, list[float]] = {r.arch: [] for r in runners}
-    for _ in range(rounds):
-        for runner in runners:
-            times[runner.arch].append(runner.step())
+    ratios = {r.arch: PairedRatio(reference.arch, []) for r in others}
+    done = 0
+    while done < rounds or (ci_target is not None and done < (max_rounds or rounds)
+                            and any(r.half_width > ci_target for r in ratios.values())):
+        for runner in others or [reference]:
+            reference_time = reference.step()
+            times[reference.arch].append(reference_time)
+            if runner is not reference:
+                times[runner.arch].append(runner.step())
+                ratios[runner.arch].ratios.append(reference_time / times[runner.arch][-1])
+        done += 1
     peak, _ = device_peak_flops(dev, precision)
     return [
         BenchResult(
             arch=r.arch, params=count_params(r.model), tokens_per_step=batch * seq_len, step_times=times[r.arch],
             compile_seconds=r.compile_seconds, peak_mem_gb=r.memory_gb(),
-            flops_per_token=flops_per_token(r.model, seq_len), peak_flops=peak,
+            flops_per_token=flops_per_token(r.model, seq_len), peak_flops=peak, ratio=ratios.get(r.arch),
         )
         for r in runners
     ]

@@ -18,6 +18,10 @@ def run(args: argparse.Namespace) -> int:
     problems = [unknown_name("architecture", a, ARCHITECTURES) for a in archs if a not in ARCHITECTURES]
     if args.size not in SIZE_PRESETS:
         problems.append(unknown_name("size", args.size, SIZE_PRESETS))
+    for name, value, least in (("--rounds", args.rounds, 1), ("--max-rounds", args.max_rounds, 1),
+                               ("--warmup", args.warmup, 0), ("--ci-target", args.ci_target, 0)):
+        if value < least:
+            problems.append(f"{name} must be >= {least}, got {value}")
     if problems:
         raise ConfigError(problems)
     if args.recall:
@@ -26,14 +30,21 @@ def run(args: argparse.Namespace) -> int:
     from satlab.bench.throughput import run_bench
 
     results = run_bench(archs, args.size, args.batch, args.seq_len, args.rounds, args.warmup, args.device,
-                        args.precision, args.compile)
+                        args.precision, args.compile, ci_target=args.ci_target or None,
+                        max_rounds=max(args.max_rounds, args.rounds))
+    widest = max((r.ratio.half_width for r in results if r.ratio is not None), default=0.0)
     report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-              "results": [r.as_dict() for r in results]}
+              "results": [r.as_dict() for r in results],
+              "ci": {"target": args.ci_target, "widest_half_width": widest,
+                     "reached": not args.ci_target or widest <= args.ci_target}}
     if not args.no_overhead:
         from satlab.bench.overhead import lightning_overhead
 
         report["lightning_overhead"] = lightning_overhead(size=args.size, batch=args.batch, seq_len=args.seq_len)
     make_console().print(results_table(results, report.get("lightning_overhead"), args))
+    if args.ci_target and widest > args.ci_target:
+        print(f"the widest ratio interval is ± {100 * widest:.1f} %, not the ± {100 * args.ci_target:g} % asked for, "
+              f"after {args.max_rounds} rounds (--max-rounds); a busy machine widens it, more rounds narrow it")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -68,16 +79,18 @@ def run_recall(args: argparse.Namespace) -> int:
 
 
 def results_table(results, overhead: dict | None, args) -> Table:
-    base = next((r for r in results if r.arch == "transformer"), results[0])
+    base = next((r for r in results if r.ratio is None), results[0])
+    rounds = max((len(r.ratio.ratios) for r in results if r.ratio is not None), default=len(base.step_times))
     compiled = ", compiled" if args.compile else ""
     table = Table(title=f"training throughput at size '{args.size}', batch {args.batch} x {args.seq_len}, "
-                        f"{args.precision}{compiled} (median of {args.rounds}, interleaved)")
-    for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch}", "memory GB",
-                   f"mem vs {base.arch}", "TFLOP/s", "MFU", "compile s"):
+                        f"{args.precision}{compiled} ({rounds} paired rounds)")
+    for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch} [95 % CI]", "mem GB",
+                   "mem ratio", "TFLOP/s", "MFU", "compile s"):
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
     for r in results:
-        table.add_row(r.arch, f"{r.params / 1e6:.2f} M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
-                      f"{r.tokens_per_sec:,.0f}", f"{r.tokens_per_sec / base.tokens_per_sec:.3f}",
+        table.add_row(r.arch, f"{r.params / 1e6:.2f}M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
+                      f"{r.tokens_per_sec:,.0f}", "1" if r.ratio is None else
+                      f"{r.ratio.mean:.3f} [{r.ratio.low:.3f}, {r.ratio.high:.3f}]",
                       f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
                       "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}")
     if overhead:
@@ -100,6 +113,9 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
     for key, value in report["settings"].items():
         client.log_param(run.info.run_id, key, value)
     for r in report["results"]:
+        for key in ("mean", "low", "high", "half_width"):
+            if r["ratio"] is not None:
+                client.log_metric(run.info.run_id, f"bench/{r['arch']}/ratio_{key}", float(r["ratio"][key]))
         for key in ("tokens_per_sec", "median_step", "spread", "peak_mem_gb", "tflops", "mfu", "compile_seconds",
                     "flops_per_token", "params"):
             if r[key] is not None:

@@ -11,7 +11,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", help="model size preset (default: tiny)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8; --recall: 512)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256; --recall: 64)")
-    parser.add_argument("--rounds", type=int, default=10, help="measured steps per architecture, interleaved")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="measured rounds at least (each: the reference's step, then each architecture's)")
+    parser.add_argument("--ci-target", type=float, default=0.01,
+                        help="go on until every ratio's 95%% interval is within ± this (default 0.01); 0: off")
+    parser.add_argument("--max-rounds", type=int, default=60, help="stop there even if the target is not reached")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per architecture first")
     parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda[:N]")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
