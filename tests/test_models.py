@@ -137,6 +137,49 @@ def test_architectures_start_exactly_as_the_transformer_with_its_weights(arch):
     assert_same_logits(model, reference)
 
 
+@pytest.mark.parametrize("arch", ["hyperconnections", "mhc"])
+def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(arch):
+    losses, grads = [], []
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        model = build_model(dict(arch=arch, **SMALL, **{arch: dict(recompute=recompute)}))
+        with torch.no_grad():  # away from the exact start, where the mixing weights get no gradient through tanh(0)
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        tokens = torch.randint(0, SMALL["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(g.abs().sum() > 0 for name, g in grads[0].items() if "connections" in name)
+
+
+def test_hyperconnection_coefficients_are_those_of_the_normalised_copies():
+    """The coefficients computed without materialising RMSNorm(H) equal the spec's formula, values and gradients."""
+    from satlab.models.archs.hyperconnections import HyperConnection
+
+    torch.manual_seed(0)
+    hc = HyperConnection(d_model=16, n=3, k=1, eps=1e-6)
+    with torch.no_grad():
+        for param in hc.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    H = torch.randn(2, 5, 3, 16, requires_grad=True)
+    Hbar = torch.nn.functional.rms_norm(H, (16,), hc.norm.weight, hc.norm.eps)
+    expected = (hc.static_m + hc.s_alpha * torch.tanh(hc.w_m(Hbar)).squeeze(-1),
+                hc.static_r + hc.s_alpha * torch.tanh(hc.w_r(Hbar)),
+                hc.static_beta + hc.s_beta * torch.tanh(hc.w_beta(Hbar)).squeeze(-1))
+    for got, want in zip(hc.coefficients(H), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        weights = torch.randn_like(want)
+        grad_got, = torch.autograd.grad((got * weights).sum(), H, retain_graph=True)
+        grad_want, = torch.autograd.grad((want * weights).sum(), H, retain_graph=True)
+        torch.testing.assert_close(grad_got, grad_want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["shared-weights", "per-token-weights"])
 def test_depth_buffer_sums_have_the_values_and_gradients_of_stacked_sums(per_token):
     """A depth loop over the preallocated buffer (each sum feeding the next entry, one entry without a sum, a

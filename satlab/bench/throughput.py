@@ -3,8 +3,9 @@ round (paired ratios with confidence intervals), warm-up and compile time exclud
 apart, memory and MFU per architecture.
 
 Memory: on CUDA, ``max_memory_allocated`` over each architecture's own steps. On a CPU there is no allocator
-statistic, and RSS mixes all the models of the process, so the bench counts what a step must hold: the tensors
-autograd saves for backward (deduplicated by storage) plus parameters, gradients and the two Adam moments.
+statistic, and RSS mixes all the models of the process, so the bench takes the peak of one step's live tensors from
+torch's ``MemTracker`` (parameters, gradients, optimizer state, activations and temporaries; tensors recomputed in
+backward count only while they are alive, which a count of saved tensors would miss).
 """
 
 from __future__ import annotations
@@ -151,21 +152,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _cpu_step_memory(runner: _Runner) -> int:
-    """Bytes saved for backward by one forward pass, plus parameters, gradients and Adam's two moments."""
-    seen: dict[int, int] = {}
+    """Peak bytes of live tensors over one training step."""
+    # A private module, but torch's own tool for this (the public profiler gives per-op allocations, not a peak).
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = runner.model(runner.x).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), runner.y.flatten())
-    loss.backward()
-    runner.optimizer.zero_grad(set_to_none=True)
-    state_bytes = 4 * sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return sum(seen.values()) + state_bytes
+    tracker = MemTracker()
+    tracker.track_external(runner.model, runner.optimizer)
+    with tracker:
+        runner.step()
+    return int(tracker.get_tracker_snapshot("peak")[runner.device]["Total"])
 
 
 def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len: int = 256, rounds: int = 10,

@@ -8,7 +8,12 @@ ResFormer weights, the RoPE tables, the KV cache and the collected gates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from satlab.models.cache import KVCache
 from satlab.models.layers import Block
@@ -74,3 +79,13 @@ class ResidualStream(nn.Module):
     def extra_flops_per_token(self) -> float:
         """Training FLOPs per token of the depth loop's own matmuls that 6·N does not cover (none here)."""
         return 0.0
+
+
+def recomputed(fn: Callable[..., Any], *args: Tensor, enabled: bool = True) -> Any:
+    """``fn(*args)``, its intermediates recomputed in backward instead of stored when ``enabled`` and autograd is
+    recording (``torch.utils.checkpoint``, non-reentrant): for the small per-token mixing coefficients of the
+    multi-stream residuals (hyper-connections, mHC), whose saved intermediates cost more memory than recomputing
+    them costs time."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)

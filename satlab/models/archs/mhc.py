@@ -12,7 +12,8 @@ b_res = ln(19(n−1))·I (doubly stochastic already, diagonal 0.95); b_pre = log
 1/(2(n−1)) (a symmetric start would keep the streams identical for ever); b_h = −ln(n−1) (mean readout); every eps 0
 (the norm r keeps the model's ``norm_eps`` inside its square root, where φ = 0 makes it irrelevant at the start).
 Weight decay: b and α none, φ and φ_h as matrices. No fused kernels here (the paper's +6.7 % is with them), and
-the coefficients are recomputed by autograd rather than by the paper's blockwise recompute.
+with ``recompute`` (default) the coefficients, Sinkhorn's 2·iters normalisations included, are recomputed per
+sublayer in backward rather than stored (the paper recomputes blockwise, the sublayers' stream states too).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import torch
 from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.streams import DepthContext, ResidualStream
+from satlab.models.streams import DepthContext, ResidualStream, recomputed
 
 
 @dataclass
 class MHCOptions:
     streams: int = field(default=4, metadata={"range": (2, 16, False)})
     sinkhorn_iters: int = field(default=20, metadata={"range": (1, 1000, False)})
+    recompute: bool = True  # recompute H_pre, H_post, H_res (Sinkhorn included) in backward instead of storing them
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -117,6 +119,7 @@ class MHCStream(ResidualStream):
         super().__init__(cfg)
         options = cfg.mhc
         self.n = options.streams
+        self.recompute = options.recompute
         self.connections = nn.ModuleList(ManifoldConnection(cfg.d_model, self.n, s, options.sinkhorn_iters,
                                                             cfg.norm_eps) for s in range(2 * cfg.n_layers))
         self.head = ManifoldHead(cfg.d_model, self.n, cfg.norm_eps)
@@ -135,9 +138,10 @@ class MHCStream(ResidualStream):
         X = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
         for i in range(len(ctx.blocks)):
             for s, sublayer in ((2 * i, ctx.attend), (2 * i + 1, ctx.feedforward)):
-                h_pre, h_post, h_res = (c.to(X.dtype) for c in self.connections[s](X))
-                out = sublayer(i, torch.einsum("btn,btnd->btd", h_pre, X))
-                X = torch.einsum("btij,btjd->btid", h_res, X) + h_post.unsqueeze(-1) * out.unsqueeze(-2)
+                coefficients = recomputed(self.connections[s], X, enabled=self.recompute)
+                h_pre, h_post, h_res = (c.to(X.dtype) for c in coefficients)
+                out = sublayer(i, (h_pre.unsqueeze(-1) * X).sum(-2))
+                X = torch.addcmul(torch.matmul(h_res, X), h_post.unsqueeze(-1), out.unsqueeze(-2))
         return self.head(X)
 
     def mixing_weights(self) -> dict[str, MixingWeight]:
