@@ -37,3 +37,84 @@ def test_the_bench_goes_on_until_the_interval_is_narrow_enough_or_says_it_is_not
     assert main([*args, "--rounds", "3", "--ci-target", "0"]) == 0  # off: exactly the rounds asked for
     assert json.loads(out.read_text())["results"][1]["ratio"]["rounds"] == 3
     assert main([*args, "--ci-target", "-1"]) == 2
+
+
+def _result(arch: str, step: float, reference_step: float, mem: float, depth_rounds: int = 3):
+    from satlab.bench.throughput import BenchResult
+
+    ratio = None if arch == "transformer" else PairedRatio("transformer", [reference_step / step] * depth_rounds)
+    return BenchResult(arch, 1, 1, [step], 0.0, mem, 1.0, None, ratio)
+
+
+def test_depth_overheads_grow_twofold_per_doubling_for_a_quadratic_term_and_stay_for_a_per_layer_one():
+    from satlab.bench.depth import overheads
+
+    sweep = {}
+    for depth in (6, 12, 24):
+        backbone = 1.0 * depth  # O(L) time per step
+        sweep[depth] = [_result("transformer", backbone, backbone, 1.0),
+                        _result("denseformer", backbone + 0.01 * depth ** 2, backbone, 1.1),  # + O(L²)
+                        _result("hyperconnections", 1.5 * backbone, backbone, 1.2)]  # + O(L)
+    table = overheads(sweep)
+    assert table["denseformer"]["time"] == pytest.approx({6: 0.06, 12: 0.12, 24: 0.24})
+    assert table["denseformer"]["growth_per_doubling"] == pytest.approx(2.0)
+    assert table["hyperconnections"]["growth_per_doubling"] == pytest.approx(1.0)
+    assert table["hyperconnections"]["memory"][12] == pytest.approx(0.2)
+
+
+def test_the_depth_sweep_writes_its_ratios_by_depth_a_plot_and_an_mlflow_run(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--archs", "transformer,denseformer", "--depths", "2,1", "--batch", "2", "--seq-len", "16",
+                 "--warmup", "1", "--rounds", "2", "--ci-target", "0", "--no-overhead", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["depth_sweep"]) == ["1", "2"]
+    assert [r["arch"] for r in report["depth_sweep"]["2"]] == ["transformer", "denseformer"]
+    assert set(report["overheads"]["denseformer"]["time"]) == {"1", "2"}
+    assert (tmp_path / "bench_depth.png").stat().st_size > 10_000
+    run = mlflow.search_runs(experiment_names=["bench"], output_format="list")[0]
+    client = mlflow.MlflowClient()
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "bench/denseformer/ratio_mean")]
+    assert sorted(steps) == [1, 2]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"bench.json", "bench_depth.png"}
+
+
+@pytest.mark.parametrize("depths", ["6,x", "0,12", ","])
+def test_bad_depths_are_refused_with_what_is_valid(depths, tmp_path, capsys):
+    assert main(["bench", "--depths", depths, "--no-mlflow", "--out", str(tmp_path / "b.json")]) == 2
+    assert "--depths takes comma-separated layer counts >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_the_bare_loop_of_the_overhead_figure_does_the_trainers_work():
+    """Same batches, optimizer, schedule and clipping: both loops leave the same parameters behind."""
+    import copy
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from satlab.bench.overhead import _bare_steps
+    from satlab.config.derived import derive_schedule
+    from satlab.config.loader import load_experiment
+    from satlab.training.module import LMModule
+
+    cfg = load_experiment("default", ["model.size=tiny", "model.n_layers=2", "data.seq_len=16",
+                                      "train.micro_batch_size=2", "train.global_batch_tokens=32",
+                                      "train.max_tokens=160", "optim.grad_clip=0.05"])
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader([(tokens[:, :-1], tokens[:, 1:])] * 4, batch_size=None)
+    torch.manual_seed(0)
+    bare = LMModule(cfg, derive_schedule(cfg))
+    lightning = copy.deepcopy(bare)
+    assert len(_bare_steps(bare, loader, cfg.optim.grad_clip)) == 4
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+              gradient_clip_val=cfg.optim.grad_clip).fit(lightning, train_dataloaders=loader)
+    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    torch.manual_seed(0)
+    untrained = LMModule(cfg, derive_schedule(cfg))
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(bare.model.parameters(), untrained.model.parameters()))

@@ -22,30 +22,48 @@ def run(args: argparse.Namespace) -> int:
                                ("--warmup", args.warmup, 0), ("--ci-target", args.ci_target, 0)):
         if value < least:
             problems.append(f"{name} must be >= {least}, got {value}")
+    depths = parse_depths(args.depths, problems)
     if problems:
         raise ConfigError(problems)
     if args.recall:
         return run_recall(args)
     args.batch, args.seq_len = args.batch or 8, args.seq_len or 256
-    from satlab.bench.throughput import run_bench
+    from satlab.bench.depth import depth_sweep
 
-    results = run_bench(archs, args.size, args.batch, args.seq_len, args.rounds, args.warmup, args.device,
-                        args.precision, args.compile, ci_target=args.ci_target or None,
-                        max_rounds=max(args.max_rounds, args.rounds))
-    widest = max((r.ratio.half_width for r in results if r.ratio is not None), default=0.0)
+    bench_args = dict(size=args.size, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
+                      device=args.device, precision=args.precision, compile=args.compile,
+                      ci_target=args.ci_target or None, max_rounds=max(args.max_rounds, args.rounds))
+    sweep = depth_sweep(archs, depths or [SIZE_PRESETS[args.size]["n_layers"]], **bench_args)
+    widest = max((r.ratio.half_width for rs in sweep.values() for r in rs if r.ratio is not None), default=0.0)
     report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-              "results": [r.as_dict() for r in results],
               "ci": {"target": args.ci_target, "widest_half_width": widest,
                      "reached": not args.ci_target or widest <= args.ci_target}}
+    out = Path(args.out)
+    console = make_console()
+    if depths:
+        from satlab.bench.depth import overheads, plot_depth_sweep
+
+        report["depth_sweep"] = {str(d): [r.as_dict() for r in rs] for d, rs in sweep.items()}
+        report["overheads"] = overheads(sweep)
+        report["plot"] = str(plot_depth_sweep(sweep, out.with_name(f"{out.stem}_depth.png"),
+                                              f"training tokens/s vs depth at size '{args.size}' width "
+                                              f"(batch {args.batch} x {args.seq_len}, {args.precision})"))
+        console.print(depth_table(sweep, report["overheads"], args))
+    else:
+        report["results"] = [r.as_dict() for r in sweep[next(iter(sweep))]]
     if not args.no_overhead:
         from satlab.bench.overhead import lightning_overhead
+        from satlab.training.chatter import library_chatter_to
 
-        report["lightning_overhead"] = lightning_overhead(size=args.size, batch=args.batch, seq_len=args.seq_len)
-    make_console().print(results_table(results, report.get("lightning_overhead"), args))
+        with library_chatter_to(out.parent, "bench.log"):
+            report["lightning_overhead"] = lightning_overhead(size=args.size, batch=args.batch, seq_len=args.seq_len)
+    if not depths:
+        console.print(results_table(sweep[next(iter(sweep))], report.get("lightning_overhead"), args))
+    elif "lightning_overhead" in report:
+        console.print(overhead_line(report["lightning_overhead"]))
     if args.ci_target and widest > args.ci_target:
         print(f"the widest ratio interval is ± {100 * widest:.1f} %, not the ± {100 * args.ci_target:g} % asked for, "
               f"after {args.max_rounds} rounds (--max-rounds); a busy machine widens it, more rounds narrow it")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
@@ -94,13 +112,56 @@ def results_table(results, overhead: dict | None, args) -> Table:
                       f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
                       "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}")
     if overhead:
-        table.caption = (f"Lightning / bare PyTorch loop step time: {overhead['ratio']:.3f} "
-                         f"({1e3 * overhead['lightning_step_s']:.1f} ms vs {1e3 * overhead['bare_step_s']:.1f} ms)")
+        table.caption = overhead_line(overhead)
+    return table
+
+
+def overhead_line(overhead: dict) -> str:
+    return (f"Lightning / bare PyTorch loop step time, same work: {overhead['ratio']:.3f} "
+            f"[{overhead['low']:.3f}, {overhead['high']:.3f}] over {overhead['rounds']} paired rounds "
+            f"({1e3 * overhead['lightning_step_s']:.1f} ms vs {1e3 * overhead['bare_step_s']:.1f} ms)")
+
+
+def parse_depths(text: str | None, problems: list[str]) -> list[int]:
+    """``--depths 6,12,24`` as layer counts; what is not a positive integer goes to ``problems``."""
+    if not text:
+        return []
+    try:
+        depths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        depths = []
+    if not depths or any(d < 1 for d in depths):
+        problems.append(f"--depths takes comma-separated layer counts >= 1 (e.g. 6,12,24), got {text!r}")
+        return []
+    return sorted(set(depths))
+
+
+def depth_table(sweep: dict, overheads: dict, args) -> Table:
+    depths = sorted(sweep)
+    reference = next(r.arch for r in sweep[depths[0]] if r.ratio is None)
+    table = Table(title=f"tokens/s and memory relative to {reference} by depth at size '{args.size}' width, "
+                        f"batch {args.batch} x {args.seq_len}, {args.precision} (95 % CI)")
+    table.add_column("arch", no_wrap=True)
+    for depth in depths:
+        table.add_column(f"L={depth} tokens/s", justify="right", no_wrap=True)
+        table.add_column(f"L={depth} mem", justify="right")
+    table.add_column("time overhead x per doubling", justify="right")
+    for arch, row in overheads.items():
+        cells = []
+        for depth in depths:
+            r = next(r for r in sweep[depth] if r.arch == arch)
+            cells += [f"{r.ratio.mean:.3f} [{r.ratio.low:.3f}, {r.ratio.high:.3f}]",
+                      f"{1 + row['memory'][depth]:.3f}"]
+        growth = row["growth_per_doubling"]
+        table.add_row(arch, *cells, "—" if growth is None else f"{growth:.2f}")
+    table.caption = ("overhead = reference tokens/s / its tokens/s - 1; an O(L²) depth-mixing term on an O(L) "
+                     "backbone doubles it per doubling of depth, a per-layer cost keeps it (x1)")
     return table
 
 
 def log_to_mlflow(report: dict, json_path: Path) -> str:
-    """One MLflow run in experiment 'bench' with every number of the table and the JSON as an artifact."""
+    """One MLflow run in experiment 'bench' with every number of the table (a depth sweep's at step = depth), the
+    JSON and the depth plot as artifacts."""
     import mlflow
 
     from satlab.training.tracking import experiment_id, open_store, provenance_tags, resolve_tracking
@@ -108,20 +169,27 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
     uri, artifacts = resolve_tracking(None, None)
     open_store(uri)
     client = mlflow.MlflowClient(uri)
+    by_depth = ({int(d): rs for d, rs in report["depth_sweep"].items()} if "depth_sweep" in report
+                else {0: report["results"]})
+    archs = "+".join(r["arch"] for r in next(iter(by_depth.values())))
     run = client.create_run(experiment_id(client, "bench", artifacts), run_name=f"bench-{report['settings']['size']}",
-                            tags=provenance_tags("+".join(r["arch"] for r in report["results"]), "bench"))
+                            tags=provenance_tags(archs, "bench"))
     for key, value in report["settings"].items():
         client.log_param(run.info.run_id, key, value)
-    for r in report["results"]:
-        for key in ("mean", "low", "high", "half_width"):
-            if r["ratio"] is not None:
-                client.log_metric(run.info.run_id, f"bench/{r['arch']}/ratio_{key}", float(r["ratio"][key]))
-        for key in ("tokens_per_sec", "median_step", "spread", "peak_mem_gb", "tflops", "mfu", "compile_seconds",
-                    "flops_per_token", "params"):
-            if r[key] is not None:
-                client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]))
+    for step, results in by_depth.items():
+        for r in results:
+            for key in ("mean", "low", "high", "half_width"):
+                if r["ratio"] is not None:
+                    client.log_metric(run.info.run_id, f"bench/{r['arch']}/ratio_{key}", float(r["ratio"][key]),
+                                      step=step)
+            for key in ("tokens_per_sec", "median_step", "spread", "peak_mem_gb", "tflops", "mfu",
+                        "compile_seconds", "flops_per_token", "params"):
+                if r[key] is not None:
+                    client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]), step=step)
     for key, value in (report.get("lightning_overhead") or {}).items():
         client.log_metric(run.info.run_id, f"bench/lightning_overhead/{key}", float(value))
     client.log_artifact(run.info.run_id, str(json_path))
+    if "plot" in report:
+        client.log_artifact(run.info.run_id, report["plot"])
     client.set_terminated(run.info.run_id)
     return run.info.run_id

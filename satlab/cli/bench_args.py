@@ -9,6 +9,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archs", default="all",
                         help="comma-separated architectures (default: all registered; satlab archs lists them)")
     parser.add_argument("--size", default="tiny", help="model size preset (default: tiny)")
+    parser.add_argument("--depths", default=None,
+                        help="comma-separated layer counts, e.g. 6,12,24: the bench at each depth at the preset's "
+                             "width, a table of ratios by depth and a plot (<out>_depth.png)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8; --recall: 512)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256; --recall: 64)")
     parser.add_argument("--rounds", type=int, default=10,
