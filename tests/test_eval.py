@@ -186,8 +186,13 @@ def test_offline_suite_reports_every_task_size_group_and_average(cache):
         for metric, value in metrics.items():
             if metric == "perplexity":
                 assert value >= 1.0
+            elif metric == "seconds":  # the model's time on the task's requests
+                assert value > 0.0, task
             else:
                 assert 0.0 <= value <= 1.0, (task, metric)
+    assert {task for task, metrics in results.items() if "seconds" in metrics} == expected
+    family = FAMILIES["satlab_phonebook"]
+    assert results[family.name]["seconds"] == pytest.approx(sum(results[t]["seconds"] for t in family.tasks))
     assert set(results[AVERAGES_KEY]) == {"offline_zero_shot_avg", "offline_retrieval_avg"}
     keys = metric_keys(results)
     assert "zero_shot/satlab_phonebook_192/acc" in keys and "zero_shot/offline_retrieval_avg" in keys

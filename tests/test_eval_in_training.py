@@ -46,3 +46,16 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     assert evaluation.last_results["zero_shot/satlab_mqar/acc"] == pytest.approx(values[("satlab_mqar", "acc")])
     averages = [k for k in evaluation.last_results if k.startswith("zero_shot/") and k.count("/") == 1]
     assert all(run.data.metrics[k] == pytest.approx(evaluation.last_results[k]) for k in averages)  # suite averages
+    assert values[("satlab_mqar", "seconds")] > 0  # the model's time per task, in the results table
+    assert 0 < result.eval_seconds == pytest.approx(run.data.metrics["zero_shot/wall_seconds"])
+    assert result.eval_seconds < result.fit_seconds
+
+
+def test_the_run_summary_gives_the_evaluation_time_against_the_training_before_it():
+    from types import SimpleNamespace
+
+    from satlab.training.summary import evaluation_time_rows
+
+    assert evaluation_time_rows(SimpleNamespace(eval_seconds=None, fit_seconds=100.0)) == []
+    rows = dict(evaluation_time_rows(SimpleNamespace(eval_seconds=20.0, fit_seconds=220.0)))
+    assert rows == {"end-of-run evaluation": "20.0 s = 10.0 % of training (3.3 min)"}

@@ -44,8 +44,16 @@ def print_evaluation(metrics: dict[str, float]) -> None:
     table.add_column(style="bold")
     table.add_column(justify="right")
     for key in sorted(metrics):
-        if key.startswith(f"{TASKS}/") and key.count("/") <= 2 or key in gate_summary:
+        if (key.startswith(f"{TASKS}/") and key.count("/") <= 2 or key in gate_summary) and "seconds" not in key:
             table.add_row(key, f"{metrics[key]:.4f}")
+    from satlab.evaluation.tasks import FAMILIES
+
+    times = [f"{name.removeprefix('satlab_')} {metrics[f'{TASKS}/{name}/seconds']:.1f}" for name in FAMILIES
+             if f"{TASKS}/{name}/seconds" in metrics]
+    if times:
+        table.add_row("model seconds per task", ", ".join(times))
+    if f"{TASKS}/wall_seconds" in metrics:
+        table.add_row("evaluation wall time", f"{metrics[f'{TASKS}/wall_seconds']:.1f} s")
     make_console().print(table)
 
 

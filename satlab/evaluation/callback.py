@@ -4,6 +4,7 @@ the mixing-weight plots at the end (and every ``eval.every_tokens``), all in the
 from __future__ import annotations
 
 import sys
+import time
 
 import lightning as L
 import torch
@@ -11,7 +12,7 @@ import torch
 from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.gate_logging import log_gate_analysis
 from satlab.evaluation.gates import analyze_gates
-from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
+from satlab.evaluation.suite import METRIC_PREFIX, eval_corpus, metric_keys, run_tasks
 
 
 class EvaluationCallback(L.Callback):
@@ -24,6 +25,7 @@ class EvaluationCallback(L.Callback):
         self._gate_batch: torch.Tensor | None = None
         self.last_results: dict[str, float] = {}
         self.last_gate_scalars: dict[str, float] = {}
+        self.end_eval_seconds: float | None = None  # wall time of the evaluation at the end of training
 
     def _client(self, trainer):
         logger = trainer.logger
@@ -84,5 +86,11 @@ class EvaluationCallback(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.cfg.eval.at_end:
+            started = time.perf_counter()
             self._gates(trainer, pl_module, artifacts=True)
             self._suite(trainer, pl_module)
+            self.end_eval_seconds = time.perf_counter() - started
+            self.last_results[f"{METRIC_PREFIX}/wall_seconds"] = self.end_eval_seconds
+            if trainer.is_global_zero and self._client(trainer)[0] is not None:
+                trainer.logger.log_metrics({f"{METRIC_PREFIX}/wall_seconds": self.end_eval_seconds},
+                                           step=trainer.global_step)

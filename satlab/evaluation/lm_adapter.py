@@ -11,10 +11,15 @@ this class only turns token ids into log-probabilities and generations:
 * ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_seq_len`` tokens, each conditioned on
   the end-of-text token or on the window before, scored as loglikelihood requests.
 * ``generate_until``: the model's KV-cached ``generate``, cut at the first stop string.
+
+The vocabulary projection runs only at the positions that are scored (``DecoderLM.forward``'s ``select``), and the
+seconds spent on each task's requests add up in ``task_seconds`` (a batch's time split over its requests).
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +73,8 @@ class SatlabLM(TemplateLM):
         vocab = model.cfg.vocab_size
         self.max_batch_tokens = int(max_batch_tokens) if max_batch_tokens else max(LOGITS_BUDGET // vocab, 1)
         self.max_gen_toks = int(max_gen_toks)
+        self.task_seconds: dict[str, float] = defaultdict(float)
+        self._request_tasks: list[str | None] | None = None
 
     @property
     def eot_token_id(self) -> int:
@@ -90,9 +97,19 @@ class SatlabLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._request_tasks = [req.task_name for req in requests]  # TemplateLM keeps the order of the requests
+        return super().loglikelihood(requests, disable_tqdm)
+
+    def _timed(self, tasks: list[str | None], started: float) -> None:
+        share = (time.perf_counter() - started) / max(len(tasks), 1)
+        for task in tasks:
+            self.task_seconds[task or "unnamed"] += share
+
     @torch.inference_mode()
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
-                              disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+                              disable_tqdm: bool = False, tasks: list[str | None] | None = None,
+                              **kwargs) -> list[tuple[float, bool]]:
         """(sum of continuation log-probabilities, whether greedy decoding yields the continuation) per request.
 
         Requests that share their context tokens and need no truncation (the choices of a multiple-choice item)
@@ -109,11 +126,14 @@ class SatlabLM(TemplateLM):
         alone = [idxs[0] for idxs in groups.values() if len(idxs) == 1]
         jobs = [("batch", b) for b in self._batches(alone, [len(r[1]) + len(r[2]) for r in requests])]
         jobs += [("shared", idxs) for idxs in groups.values() if len(idxs) > 1]
+        tasks, self._request_tasks = tasks or self._request_tasks or [None] * len(requests), None
         results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
         for kind, idxs in tqdm(jobs, disable=disable_tqdm, desc="satlab loglikelihood"):
+            started = time.perf_counter()
             scores = self._score_batch if kind == "batch" else self._score_shared
             for i, result in zip(idxs, scores([requests[i][1:] for i in idxs]), strict=True):
                 results[i] = result
+            self._timed([tasks[i] for i in idxs], started)
         for request, result in zip(requests, results, strict=True):
             if request[0] is not None:
                 self.cache_hook.add_partial("loglikelihood", request[0], result)
@@ -137,11 +157,13 @@ class SatlabLM(TemplateLM):
         model never attends to the padding), one forward pass for all."""
         windows = [(context + continuation)[-(self.max_length + 1):] for context, continuation in pairs]
         ids = torch.full((len(windows), max(len(w) for w in windows) - 1), self.eot_token_id, dtype=torch.long)
-        for row, window in enumerate(windows):
+        scored = torch.zeros(ids.shape, dtype=torch.bool)  # the positions whose next token is a continuation's
+        for row, (window, (_, continuation)) in enumerate(zip(windows, pairs, strict=True)):
             ids[row, : len(window) - 1] = torch.tensor(window[:-1])
-        logits = self.model(ids.to(self.device)).logits
-        return [self._score(logits[row, len(w) - 1 - len(c) : len(w) - 1], c) if c else (0.0, True)
-                for row, (w, (_, c)) in enumerate(zip(windows, pairs, strict=True))]
+            scored[row, len(window) - 1 - len(continuation) : len(window) - 1] = True
+        logits = self.model(ids.to(self.device), select=scored.to(self.device)).logits
+        rows = logits.split([len(c) for _, c in pairs])
+        return [self._score(row, c) if c else (0.0, True) for row, (_, c) in zip(rows, pairs, strict=True)]
 
     def _score_shared(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Continuations of one context: the context runs once into a KV cache, which is then copied for each
@@ -150,17 +172,21 @@ class SatlabLM(TemplateLM):
         context, continuations = pairs[0][0], [c for _, c in pairs]
         width = max(len(c) for c in continuations) - 1
         cache = self.model.new_cache(1, len(context) + width)
-        last = self.model(torch.tensor([context], device=self.device), cache=cache).logits[0, -1:]
-        rest = None
-        if width:
-            for layer in cache.layers:
-                layer.k, layer.v = layer.k.repeat(len(pairs), 1, 1, 1), layer.v.repeat(len(pairs), 1, 1, 1)
-            ids = torch.full((len(pairs), width), self.eot_token_id, dtype=torch.long)
-            for row, continuation in enumerate(continuations):
-                ids[row, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-            rest = self.model(ids.to(self.device), cache=cache).logits
-        return [self._score(torch.cat([last, rest[row, : len(c) - 1]]) if rest is not None else last, c)
-                for row, c in enumerate(continuations)]
+        last_position = torch.zeros((1, len(context)), dtype=torch.bool, device=self.device)
+        last_position[0, -1] = True
+        last = self.model(torch.tensor([context], device=self.device), cache=cache, select=last_position).logits
+        if not width:
+            return [self._score(last, c) for c in continuations]
+        for layer in cache.layers:
+            layer.k, layer.v = layer.k.repeat(len(pairs), 1, 1, 1), layer.v.repeat(len(pairs), 1, 1, 1)
+        ids = torch.full((len(pairs), width), self.eot_token_id, dtype=torch.long)
+        scored = torch.zeros(ids.shape, dtype=torch.bool)
+        for row, continuation in enumerate(continuations):
+            ids[row, : len(continuation) - 1] = torch.tensor(continuation[:-1])
+            scored[row, : len(continuation) - 1] = True
+        rest = self.model(ids.to(self.device), cache=cache, select=scored.to(self.device)).logits
+        rows = rest.split([len(c) - 1 for c in continuations])
+        return [self._score(torch.cat([last, row]), c) for row, c in zip(rows, continuations, strict=True)]
 
     def _score(self, logits: torch.Tensor, target: list[int]) -> tuple[float, bool]:
         """Sum of log-probabilities of ``target`` under ``logits`` (one row per target token) and greediness."""
@@ -178,7 +204,8 @@ class SatlabLM(TemplateLM):
                 windows.append((None, *lm_utils.make_disjoint_window(window)))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (score, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm), strict=True):
+        tasks = [requests[owner].task_name for owner in owners]
+        for owner, (score, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm, tasks), strict=True):
             totals[owner] += score
         for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
@@ -203,9 +230,11 @@ class SatlabLM(TemplateLM):
         chunks = [(s, idx[k : k + self.batch_size]) for s, idx in groups.items()
                   for k in range(0, len(idx), self.batch_size)]
         for settings, chunk in tqdm(chunks, disable=disable_tqdm, desc="satlab generate"):
+            started = time.perf_counter()
             for i, text in zip(chunk, self._generate([jobs[i][0] for i in chunk], *settings[1:]), strict=True):
                 outputs[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            self._timed([requests[i].task_name for i in chunk], started)
         return outputs
 
     @torch.inference_mode()

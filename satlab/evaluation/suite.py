@@ -27,6 +27,7 @@ from satlab.evaluation.tasks import (
     FAMILIES,
     OFFLINE_SUITE,
     PAPER_GROUPS,
+    family_of,
     split_task_names,
     unknown_task_message,
 )
@@ -98,7 +99,7 @@ def run_tasks(model: DecoderLM, tokenizer: TextTokenizer, tasks: Sequence[str], 
                           f"run the offline suite instead: tasks={OFFLINE_SUITE}.") from error
     finally:
         model.train(was_training)
-    return with_averages(collect_results(output["results"]))
+    return with_seconds(with_averages(collect_results(output["results"])), lm.task_seconds)
 
 
 def eval_corpus(source: str) -> str:
@@ -134,6 +135,17 @@ def with_averages(results: dict[str, dict[str, float]]) -> dict[str, dict[str, f
         if all(v is not None for v in values):
             averages[name] = sum(values) / len(values)
     return {**results, AVERAGES_KEY: averages} if averages else results
+
+
+def with_seconds(results: dict[str, dict[str, float]], task_seconds: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Adds each task's model time as its metric ``seconds`` (a sized family's: the sum over its sizes)."""
+    out = {task: dict(metrics) for task, metrics in results.items()}
+    for task, seconds in task_seconds.items():
+        out.setdefault(task, {})["seconds"] = seconds
+        family = family_of(task)
+        if family is not None and family.sizes and family.name in out:
+            out[family.name]["seconds"] = out[family.name].get("seconds", 0.0) + seconds
+    return out
 
 
 def metric_keys(results: dict[str, dict[str, float]], prefix: str = METRIC_PREFIX) -> dict[str, float]:

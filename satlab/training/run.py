@@ -71,6 +71,8 @@ class RunResult:
     tokens_per_sec: float | None
     wall_seconds: float
     recall: dict[str, float] = field(default_factory=dict)  # a recall task's recall/* metrics at the end
+    fit_seconds: float = 0.0  # the Trainer's fit: training, validation and any evaluation inside it
+    eval_seconds: float | None = None  # the end-of-run evaluation inside fit, if a callback ran one
 
 
 def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
@@ -157,7 +159,8 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
           callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Train ``cfg`` to its token budget (or resume it) and return what happened.
 
-    ``callbacks`` are added to the Trainer's (a sweep trial adds its pruning callback here).
+    ``callbacks`` are added to the Trainer's (a sweep trial adds its pruning callback here); one with an
+    ``end_eval_seconds`` attribute (the evaluation callback) has that time reported apart from training.
     """
     started = time.perf_counter()
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
@@ -200,7 +203,9 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         try:
             if ckpt_path is None:
                 initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+            fit_started = time.perf_counter()
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            fit_seconds = time.perf_counter() - fit_started
             last = run_dir / "checkpoints" / "last.ckpt"  # saved whole: weights, optimizer, loops and RNG states
             if module.stop_reason is not None:
                 trainer.save_checkpoint(last, weights_only=False)
@@ -229,6 +234,9 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             tokens_per_sec=throughput.mean_tokens_per_sec,
             wall_seconds=time.perf_counter() - started,
             recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
+            fit_seconds=fit_seconds,
+            eval_seconds=next((cb.end_eval_seconds for cb in callbacks if getattr(cb, "end_eval_seconds", None)),
+                              None),
         )
         if logger is not None:
             logger.close("FINISHED")

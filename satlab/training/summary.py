@@ -26,6 +26,15 @@ def recall_rows(cfg: ExperimentConfig, recall: dict[str, float]) -> list[tuple[s
     return rows
 
 
+def evaluation_time_rows(result) -> list[tuple[str, str]]:
+    """The end-of-run evaluation's wall time against the training it followed (fit without it)."""
+    if not result.eval_seconds:
+        return []
+    training = result.fit_seconds - result.eval_seconds
+    share = f" = {100 * result.eval_seconds / training:.1f} % of training ({training / 60:.1f} min)" if training > 0 else ""
+    return [("end-of-run evaluation", f"{result.eval_seconds:.1f} s{share}")]
+
+
 def print_summary(cfg: ExperimentConfig, result, console: Console | None = None) -> None:
     import math
 
@@ -41,6 +50,7 @@ def print_summary(cfg: ExperimentConfig, result, console: Console | None = None)
         *recall_rows(cfg, result.recall),
         ("tokens/s (training)", _fmt(result.tokens_per_sec, ",.0f")),
         ("wall time", f"{result.wall_seconds / 60:.1f} min"),
+        *evaluation_time_rows(result),
         ("checkpoints", str(result.run_dir / "checkpoints")),
     ]
     if result.mlflow_run_id:
