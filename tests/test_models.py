@@ -137,6 +137,24 @@ def test_architectures_start_exactly_as_the_transformer_with_its_weights(arch):
     assert_same_logits(model, reference)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_rmsnorm_has_the_values_and_gradients_of_torchs(affine):
+    from satlab.models.layers import RMSNorm
+
+    norm = RMSNorm(24, eps=1e-5, elementwise_affine=affine)
+    if affine:
+        torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    weights = torch.randn(3, 7, 24)
+    ours = norm(x)
+    torchs = torch.nn.functional.rms_norm(x, (24,), norm.weight, 1e-5)
+    torch.testing.assert_close(ours, torchs)
+    params = [x, norm.weight] if affine else [x]
+    for a, b in zip(torch.autograd.grad((ours * weights).sum(), params),
+                    torch.autograd.grad((torchs * weights).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["hyperconnections", "mhc"])
 def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(arch):
     losses, grads = [], []

@@ -25,7 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        if x.is_cuda or x.dtype != torch.float32:  # a fused kernel on GPUs, and it upcasts low precision itself
+            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        # On a CPU F.rms_norm is composite and its backward takes twice as long as this (1.75 ms against 0.85 ms
+        # forward and backward at (8, 256, 128)): 3 % of the tiny Transformer's step, 7 % of MUDDFormer's, which
+        # norms three inputs per block and each depth aggregate.
+        scale = torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / self.dim + self.eps)
+        return x * scale if self.weight is None else x * (scale * self.weight)
 
     def init_weights(self) -> None:
         if self.weight is not None:

@@ -87,7 +87,7 @@ class SATFormerGate(nn.Module):
         gate = self.gate(h)
         if self.detach_v1:
             v1 = v1.detach()
-        return v + gate * v1, gate
+        return torch.addcmul(v, gate, v1), gate  # v + gate ⊙ v1 in one pass
 
 
 def value_path(cfg: Any, layer: int) -> nn.Module | None:
