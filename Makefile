@@ -79,8 +79,8 @@ ablate: $(STAMP) ## run or resume experiments/ablations/<ABL>.yml + report: make
 reproduce: $(STAMP) ## the paper's architecture comparison + report: arch_tiny on CPU (~50 min); SIZE=small|medium|large|xl: GPUs
 	$(VENV)/bin/satlab ablate arch_$(or $(SIZE),tiny) --workers $(call cell_workers,$(if $(filter-out tiny,$(or $(SIZE),tiny)),1,2)) $(ARGS)
 
-bench: $(STAMP) ## interleaved throughput/memory/MFU of all architectures (SIZE=tiny, ARGS="--compile ...")
-	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(ARGS)
+bench: $(STAMP) ## paired throughput/memory/MFU of all architectures (SIZE=tiny, DEPTHS=6,12,24, ARGS="--compile ...")
+	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(if $(DEPTHS),--depths $(DEPTHS)) $(ARGS)
 
 gpu-check: $(STAMP) ## on a CUDA machine: compile + bf16 steps of every arch, bench at small, FSDP if >1 GPU (<8 min)
 	bash scripts/gpu_check.sh

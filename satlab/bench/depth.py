@@ -52,7 +52,7 @@ def plot_depth_sweep(sweep: dict[int, list[BenchResult]], path: Path, title: str
     from satlab.models import label
 
     depths = sorted(sweep)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     archs = [r.arch for r in sweep[depths[0]] if r.ratio is not None]
     for arch in archs:
         ratios = [next(r.ratio for r in sweep[d] if r.arch == arch) for d in depths]
@@ -67,7 +67,7 @@ def plot_depth_sweep(sweep: dict[int, list[BenchResult]], path: Path, title: str
     ax.set_xlabel("layers")
     ax.set_ylabel(f"tokens/s relative to {label(reference)}")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.02, 1), loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
