@@ -113,8 +113,9 @@ def test_the_bare_loop_of_the_overhead_figure_does_the_trainers_work():
     L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
               gradient_clip_val=cfg.optim.grad_clip).fit(lightning, train_dataloaders=loader)
-    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters()):
+    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
     torch.manual_seed(0)
     untrained = LMModule(cfg, derive_schedule(cfg))
-    assert any((a - b).abs().max() > 1e-4 for a, b in zip(bare.model.parameters(), untrained.model.parameters()))
+    trained = zip(bare.model.parameters(), untrained.model.parameters(), strict=True)
+    assert any((a - b).abs().max() > 1e-4 for a, b in trained)

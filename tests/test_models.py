@@ -190,7 +190,7 @@ def test_hyperconnection_coefficients_are_those_of_the_normalised_copies():
     expected = (hc.static_m + hc.s_alpha * torch.tanh(hc.w_m(Hbar)).squeeze(-1),
                 hc.static_r + hc.s_alpha * torch.tanh(hc.w_r(Hbar)),
                 hc.static_beta + hc.s_beta * torch.tanh(hc.w_beta(Hbar)).squeeze(-1))
-    for got, want in zip(hc.coefficients(H), expected):
+    for got, want in zip(hc.coefficients(H), expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         weights = torch.randn_like(want)
         grad_got, = torch.autograd.grad((got * weights).sum(), H, retain_graph=True)

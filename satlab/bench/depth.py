@@ -57,8 +57,8 @@ def plot_depth_sweep(sweep: dict[int, list[BenchResult]], path: Path, title: str
     for arch in archs:
         ratios = [next(r.ratio for r in sweep[d] if r.arch == arch) for d in depths]
         means = [q.mean for q in ratios]
-        ax.errorbar(depths, means, yerr=[[m - q.low for m, q in zip(means, ratios)],
-                                         [q.high - m for m, q in zip(means, ratios)]],
+        ax.errorbar(depths, means, yerr=[[m - q.low for m, q in zip(means, ratios, strict=True)],
+                                         [q.high - m for m, q in zip(means, ratios, strict=True)]],
                     marker="o", capsize=3, label=label(arch))
     reference = next(r.arch for r in sweep[depths[0]] if r.ratio is None)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from itertools import pairwise
 
 import lightning as L
 import torch
@@ -57,7 +58,7 @@ def lightning_overhead(arch: str = "satformer", size: str = "tiny", batch: int =
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*val_dataloader.*")  # no validation here, on purpose
             trainer.fit(module, train_dataloaders=loader)
-        lightning = statistics.median([b - a for a, b in zip(timer.starts, timer.starts[1:])][warmup:])
+        lightning = statistics.median([b - a for a, b in pairwise(timer.starts)][warmup:])
         bare_medians.append(bare)
         lightning_medians.append(lightning)
         ratio.ratios.append(lightning / bare)
@@ -82,4 +83,4 @@ def _bare_steps(module: LMModule, loader: DataLoader, grad_clip: float) -> list[
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     starts.append(time.perf_counter())
-    return [b - a for a, b in zip(starts, starts[1:])]
+    return [b - a for a, b in pairwise(starts)]

@@ -31,7 +31,8 @@ def evaluation_time_rows(result) -> list[tuple[str, str]]:
     if not result.eval_seconds:
         return []
     training = result.fit_seconds - result.eval_seconds
-    share = f" = {100 * result.eval_seconds / training:.1f} % of training ({training / 60:.1f} min)" if training > 0 else ""
+    share = (f" = {100 * result.eval_seconds / training:.1f} % of training ({training / 60:.1f} min)"
+             if training > 0 else "")
     return [("end-of-run evaluation", f"{result.eval_seconds:.1f} s{share}")]
 
 
