@@ -74,8 +74,8 @@ def test_the_depth_sweep_writes_its_ratios_by_depth_a_plot_and_an_mlflow_run(tmp
     assert [r["arch"] for r in report["depth_sweep"]["2"]] == ["transformer", "denseformer"]
     assert set(report["overheads"]["denseformer"]["time"]) == {"1", "2"}
     assert (tmp_path / "bench_depth.png").stat().st_size > 10_000
-    run = mlflow.search_runs(experiment_names=["bench"], output_format="list")[0]
-    client = mlflow.MlflowClient()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")  # not the process-wide URI other tests set
+    run, = client.search_runs([client.get_experiment_by_name("bench").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "bench/denseformer/ratio_mean")]
     assert sorted(steps) == [1, 2]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"bench.json", "bench_depth.png"}
@@ -87,35 +87,3 @@ def test_bad_depths_are_refused_with_what_is_valid(depths, tmp_path, capsys):
     assert "--depths takes comma-separated layer counts >= 1" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
 
-
-def test_the_bare_loop_of_the_overhead_figure_does_the_trainers_work():
-    """Same batches, optimizer, schedule and clipping: both loops leave the same parameters behind."""
-    import copy
-
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-
-    from satlab.bench.overhead import _bare_steps
-    from satlab.config.derived import derive_schedule
-    from satlab.config.loader import load_experiment
-    from satlab.training.module import LMModule
-
-    cfg = load_experiment("default", ["model.size=tiny", "model.n_layers=2", "data.seq_len=16",
-                                      "train.micro_batch_size=2", "train.global_batch_tokens=32",
-                                      "train.max_tokens=160", "optim.grad_clip=0.05"])
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-    loader = DataLoader([(tokens[:, :-1], tokens[:, 1:])] * 4, batch_size=None)
-    torch.manual_seed(0)
-    bare = LMModule(cfg, derive_schedule(cfg))
-    lightning = copy.deepcopy(bare)
-    assert len(_bare_steps(bare, loader, cfg.optim.grad_clip)) == 4
-    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-              gradient_clip_val=cfg.optim.grad_clip).fit(lightning, train_dataloaders=loader)
-    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
-    torch.manual_seed(0)
-    untrained = LMModule(cfg, derive_schedule(cfg))
-    trained = zip(bare.model.parameters(), untrained.model.parameters(), strict=True)
-    assert any((a - b).abs().max() > 1e-4 for a, b in trained)

@@ -47,7 +47,7 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     averages = [k for k in evaluation.last_results if k.startswith("zero_shot/") and k.count("/") == 1]
     assert all(run.data.metrics[k] == pytest.approx(evaluation.last_results[k]) for k in averages)  # suite averages
     assert values[("satlab_mqar", "seconds")] > 0  # the model's time per task, in the results table
-    assert 0 < result.eval_seconds == pytest.approx(run.data.metrics["zero_shot/wall_seconds"])
+    assert 0 < result.eval_seconds == pytest.approx(run.data.metrics["system/eval_wall_seconds"])
     assert result.eval_seconds < result.fit_seconds
 
 

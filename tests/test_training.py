@@ -134,27 +134,40 @@ def test_loading_a_missing_or_corrupt_checkpoint_says_what_is_wrong(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
-    """The module clips with the norm it logs (one pass over the gradients); the parameters after three steps with
-    clipping active equal a plain loop's AdamW + ``clip_grad_norm_`` + scheduler steps."""
+    """The module clips with the norm it logs (one pass over the gradients): the parameters after three steps with
+    clipping active equal a plain loop's AdamW + ``clip_grad_norm_`` + scheduler steps, and those of the bare loop
+    the bench's Lightning-overhead figure times (which must do the Trainer's work)."""
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from satlab.bench.overhead import _bare_loop
+    from satlab.bench.overhead import _bare_steps
     from satlab.config.derived import derive_schedule
-    from satlab.training.module import LMModule
+    from satlab.training.module import LMModule, lr_factor, parameter_groups
 
     cfg = load_experiment("default", [*TINY[:4], "model.vocab_size=64", "data.seq_len=32", "train.micro_batch_size=4",
                                       "train.global_batch_tokens=128", "train.max_tokens=384", "optim.grad_clip=0.05"])
-    schedule = derive_schedule(cfg)
+    schedule, optim = derive_schedule(cfg), cfg.optim
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(0))
-    sample = (tokens[:, :-1], tokens[:, 1:])
-    torch.manual_seed(0)
-    bare = LMModule(cfg, schedule)
-    torch.manual_seed(0)
-    lightning = LMModule(cfg, schedule)
-    _bare_loop(bare, sample, cfg, schedule, steps=3, warmup=0)
+    loader = DataLoader([(tokens[:, :-1], tokens[:, 1:])] * 3, batch_size=None)
+    modules = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        modules.append(LMModule(cfg, schedule))
+    plain, bench_loop, lightning = modules
+    optimizer = torch.optim.AdamW(parameter_groups(plain.model, optim.weight_decay, optim.decay_all, optim.lr,
+                                                   optim.gate_lr_multiplier), betas=tuple(optim.betas), eps=optim.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, schedule.warmup_steps, schedule.max_steps, optim.min_lr_ratio))
+    for idx, targets in loader:
+        plain.loss(idx, targets).backward()
+        torch.nn.utils.clip_grad_norm_(plain.model.parameters(), optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert len(_bare_steps(bench_loop, loader, optim.grad_clip)) == 3
     L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=cfg.optim.grad_clip,
-              limit_val_batches=0).fit(lightning, train_dataloaders=DataLoader([sample] * 3, batch_size=None))
-    for (name, a), b in zip(bare.model.named_parameters(), lightning.model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+              enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=optim.grad_clip,
+              limit_val_batches=0).fit(lightning, train_dataloaders=loader)
+    for other in (bench_loop, lightning):
+        for (name, a), b in zip(plain.model.named_parameters(), other.model.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

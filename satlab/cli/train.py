@@ -52,8 +52,8 @@ def print_evaluation(metrics: dict[str, float]) -> None:
              if f"{TASKS}/{name}/seconds" in metrics]
     if times:
         table.add_row("model seconds per task", ", ".join(times))
-    if f"{TASKS}/wall_seconds" in metrics:
-        table.add_row("evaluation wall time", f"{metrics[f'{TASKS}/wall_seconds']:.1f} s")
+    if "system/eval_wall_seconds" in metrics:
+        table.add_row("evaluation wall time", f"{metrics['system/eval_wall_seconds']:.1f} s")
     make_console().print(table)
 
 

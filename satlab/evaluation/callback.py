@@ -12,7 +12,7 @@ import torch
 from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.gate_logging import log_gate_analysis
 from satlab.evaluation.gates import analyze_gates
-from satlab.evaluation.suite import METRIC_PREFIX, eval_corpus, metric_keys, run_tasks
+from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
 
 
 class EvaluationCallback(L.Callback):
@@ -90,7 +90,7 @@ class EvaluationCallback(L.Callback):
             self._gates(trainer, pl_module, artifacts=True)
             self._suite(trainer, pl_module)
             self.end_eval_seconds = time.perf_counter() - started
-            self.last_results[f"{METRIC_PREFIX}/wall_seconds"] = self.end_eval_seconds
+            self.last_results["system/eval_wall_seconds"] = self.end_eval_seconds
             if trainer.is_global_zero and self._client(trainer)[0] is not None:
-                trainer.logger.log_metrics({f"{METRIC_PREFIX}/wall_seconds": self.end_eval_seconds},
+                trainer.logger.log_metrics({"system/eval_wall_seconds": self.end_eval_seconds},
                                            step=trainer.global_step)
