@@ -27,7 +27,16 @@ from satlab.studies.loader import apply_items, list_specs, load_ablation, spec_f
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
 from satlab.studies.spec import AblationSpec
 from satlab.studies.state import STATE_FILE, StudyState
-from satlab.studies.stats import best_verdict, mean_std, ordering_verdict, welch_p
+from satlab.studies.stats import (
+    best_verdict,
+    compare,
+    decide_all,
+    holm,
+    mean_std,
+    ordering_verdict,
+    paired_p,
+    welch_p,
+)
 
 MICRO = {  # a model that trains in seconds on a CPU
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -130,23 +139,70 @@ def test_welch_p_matches_scipy_and_the_formula() -> None:
     assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2))) and mean_std([5.0]) == (5.0, None)
 
 
-def test_ordering_and_best_verdicts_on_synthetic_numbers() -> None:
-    names = {"satformer": "SATFormer", "resformer": "ResFormer", "transformer": "Transformer"}
-    order = ["satformer", "resformer", "transformer"]
-    held = ordering_verdict({"satformer": [3.00, 3.01, 2.99], "resformer": [3.10, 3.12, 3.09],
-                             "transformer": [3.20, 3.22, 3.19]}, order, "loss", labels=names)
-    assert held.held is True and "significant" in held.detail and "SATFormer < ResFormer < Transformer" in held.detail
-    broken = ordering_verdict({"satformer": [3.15, 3.16], "resformer": [3.10, 3.12], "transformer": [3.2, 3.3]},
-                              order, "loss", labels=names)
-    assert broken.held is False and "Observed order: ResFormer < SATFormer < Transformer" in broken.detail
-    assert "did not hold" in broken.sentence()
-    assert ordering_verdict({"satformer": [3.0]}, order, "loss").held is None
-    best = best_verdict({"satformer": [0.5, 0.52], "resformer": [0.4, 0.41], "transformer": [0.3, 0.32]},
-                        "satformer", "retrieval", labels=names)
-    assert best.held is True and "ResFormer" in best.detail
-    worse = best_verdict({"satformer": [0.3, 0.31], "muddformer": [0.5, 0.5]}, "satformer", "retrieval")
-    assert worse.held is False and "muddformer" in worse.detail
-    assert best_verdict({"satformer": [], "resformer": [0.4]}, "satformer", "retrieval").held is None
+def seeded(*values: float) -> dict[int, float]:
+    return dict(enumerate(values))
+
+
+ORDER = ["satformer", "resformer", "transformer"]
+NAMES = {"satformer": "SATFormer", "resformer": "ResFormer", "transformer": "Transformer"}
+
+
+def decided(samples, **kwargs):
+    return decide_all([ordering_verdict(samples, ORDER, "loss", labels=NAMES, **kwargs)])[0]
+
+
+def test_a_claim_is_held_contradicted_not_resolved_or_not_measurable_on_synthetic_numbers() -> None:
+    win = decided({"satformer": seeded(3.00, 3.01, 2.99), "resformer": seeded(3.10, 3.12, 3.09),
+                   "transformer": seeded(3.20, 3.23, 3.19)})
+    assert win.outcome == "held" and "Observed order: SATFormer < ResFormer < Transformer" in win.detail
+    loss = decided({"satformer": seeded(3.15, 3.16, 3.17), "resformer": seeded(3.10, 3.12, 3.11),
+                    "transformer": seeded(3.20, 3.30, 3.25)})
+    assert loss.outcome == "contradicted" and "**contradicted**" in loss.sentence()
+    tie = decided({"satformer": seeded(3.00, 3.06, 2.95), "resformer": seeded(3.02, 3.01, 3.00),
+                   "transformer": seeded(3.20, 3.22, 3.19)})
+    first = tie.comparisons[0]
+    assert tie.outcome == "not resolved" and first.mdd > abs(first.gain) and first.seeds_needed > 3
+    assert f"about {first.seeds_needed} seeds a side would resolve" in tie.detail
+    chance = decided({"satformer": seeded(0.26, 0.24, 0.25), "resformer": seeded(0.25, 0.26, 0.24),
+                      "transformer": seeded(0.24, 0.25, 0.27)}, lower_is_better=False, chance=0.25)
+    assert chance.outcome == "not measurable at this scale" and not chance.comparisons
+    above = decided({"satformer": seeded(0.61, 0.60, 0.62), "resformer": seeded(0.45, 0.44, 0.46),
+                     "transformer": seeded(0.30, 0.31, 0.29)}, lower_is_better=False, chance=0.25)
+    assert above.outcome == "held"  # far above chance: measured, and the order holds
+    assert decided({"satformer": seeded(3.0)}).outcome == "could not be checked"
+    best = decide_all([best_verdict({"satformer": seeded(0.5, 0.52), "resformer": seeded(0.4, 0.41),
+                                     "transformer": seeded(0.3, 0.32)}, "satformer", "retrieval", labels=NAMES)])[0]
+    assert best.comparisons[0].worse == "ResFormer"  # against the strongest other
+
+
+def test_the_verdict_pairs_by_seed_and_reports_welch_beside_it() -> None:
+    a, b = seeded(3.00, 3.10, 2.90), seeded(3.02, 3.12, 2.93)  # a seed effect larger than the difference
+    paired = compare("a", "b", {"a": a, "b": b})
+    assert paired.paired and paired.p == paired.paired_p < 0.05 < paired.welch_p
+    assert paired.paired_p == pytest.approx(stats.ttest_rel(list(a.values()), list(b.values())).pvalue)
+    unpaired = compare("a", "b", {"a": a, "b": {5: 3.02, 6: 3.12, 7: 2.93}})
+    assert not unpaired.paired and unpaired.p == unpaired.welch_p and unpaired.paired_p is None
+    assert paired_p([1.0, 2.0], [1.0]) is None
+    assert holm([0.01, 0.04, None, 0.03]) == [pytest.approx(0.03), pytest.approx(0.06), None, pytest.approx(0.06)]
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_the_minimum_detectable_difference_has_80_percent_power_by_the_noncentral_t(paired) -> None:
+    """At the reported MDD, the power of the two-sided 5 % t-test computed from scipy's noncentral t is 0.8."""
+    n = 5
+    a = seeded(1.0, 1.3, 0.8, 1.1, 0.9)
+    b = seeded(1.2, 1.1, 1.4, 1.0, 1.3) if paired else {k + 10: v for k, v in seeded(1.2, 1.1, 1.4, 1.0, 1.3).items()}
+    c = compare("a", "b", {"a": a, "b": b})
+    if paired:
+        spread, df, scale = np.std([b[k] - a[k] for k in a], ddof=1), n - 1, math.sqrt(n)
+    else:
+        spread = math.sqrt((np.var(list(a.values()), ddof=1) + np.var(list(b.values()), ddof=1)) / 2)
+        df, scale = 2 * n - 2, math.sqrt(n / 2)
+    critical = stats.t.ppf(0.975, df)
+    noncentrality = c.mdd / spread * scale
+    power = stats.nct.sf(critical, df, noncentrality) + stats.nct.cdf(-critical, df, noncentrality)
+    assert power == pytest.approx(0.8, abs=1e-4)
+    assert c.seeds_needed >= 2
 
 
 def test_tile_images(tmp_path: Path) -> None:
@@ -303,7 +359,7 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
     assert by_cell["num_pairs=4, arch=resformer"]["p steps 0.9 vs Transformer"] != "—"
     markdown = files["markdown"].read_text()
     assert "SATFormer retrieves better than Transformer (held-out accuracy, num_pairs=2): **held**" in markdown
-    assert "SATFormer retrieves better than ResFormer (held-out accuracy, num_pairs=4): **did not hold**" in markdown
+    assert "SATFormer retrieves better than ResFormer (held-out accuracy, num_pairs=4): **contradicted**" in markdown
     assert files["accuracy_vs_difficulty"].exists() and files["loss_curves"].exists()
 
 
@@ -323,3 +379,39 @@ def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_p
     assert header[3] == "held-out acc" and "p acc vs Transformer" in header
     assert all(0 <= float(row[3]) <= 1 for row in rows)
     assert "SATFormer retrieves better than Transformer" in result.report["markdown"].read_text()
+
+
+def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and_pooled(tmp_path: Path) -> None:
+    from satlab.studies.ablation_report import write_report
+    from satlab.studies.runs import create_parent_run
+
+    spec = spec_from_dict(
+        AblationSpec, {"name": "two-corpora", "base": "ablations/tiny_cell", "out_dir": str(tmp_path / "out"),
+                       "axes": {"data.source": ["shakespeare", "kjv"],
+                                "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]},
+                       "baseline": {"model.arch": "transformer", "data.source": "shakespeare"}})
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = create_parent_run(client, spec, None)
+    experiment = client.get_run(parent).info.experiment_id
+    loss = {"shakespeare": {"satformer": 5.50, "resformer": 5.60, "transformer": 5.70},  # the paper's order
+            "kjv": {"satformer": 4.70, "resformer": 4.60, "transformer": 4.50}}  # the opposite
+    for cell in spec.cells():
+        values = dict(cell.values)
+        run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key})
+        seed_effect = (0.0, 0.03, -0.02)[cell.seed] + 0.002 * (values["model.arch"] == "resformer") * cell.seed
+        client.log_metric(run.info.run_id, "val/loss", loss[values["data.source"]][values["model.arch"]] + seed_effect,
+                          step=100)
+        client.log_metric(run.info.run_id, "zero_shot/offline_retrieval_avg", 0.25 + 0.01 * (cell.seed - 1),
+                          step=100)
+        client.set_terminated(run.info.run_id)
+    files = write_report(spec, client, parent)
+    verdicts = {v["claim"]: v for v in json.loads(files["summary"].read_text())["verdicts"]}
+    claim = "SATFormer < ResFormer < Transformer in final validation loss"
+    assert verdicts[f"{claim} (source=shakespeare)"]["outcome"] == "held"
+    assert verdicts[f"{claim} (source=kjv)"]["outcome"] == "contradicted"
+    pooled = verdicts[f"{claim} (pooled over source=shakespeare; source=kjv)"]
+    assert pooled["outcome"] == "not resolved"  # a result that depends on the corpus
+    assert all(c["paired"] for c in pooled["comparisons"]) and len(pooled["comparisons"]) == 2
+    retrieval = verdicts["SATFormer best on the retrieval average (source=kjv)"]
+    assert retrieval["outcome"] == "not measurable at this scale"
+    assert "Holm" in files["markdown"].read_text()

@@ -2,14 +2,15 @@
 under ``report/`` on the parent run. Per group of cells (equal on every axis but the seed): mean ± std over seeds of
 each measure (:mod:`satlab.studies.results`) and Welch p-values, against the baseline group or, for a recall
 ablation over ``model.arch``, against the Transformer and ResFormer at the same values of the other axes. With
-``model.arch`` an axis, the paper's claims are checked on these numbers and stated plainly, held or not.
+``model.arch`` an axis, the paper's claims are checked on these numbers and stated plainly: held, contradicted, not
+resolved (with what it would take) or not measurable at this scale (:mod:`satlab.studies.stats`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlflow
@@ -18,6 +19,7 @@ from markdown_it import MarkdownIt
 from rich.console import Console
 from rich.table import Table
 
+from satlab.evaluation.tasks import RETRIEVAL, chance_level
 from satlab.models.architecture import ARCHITECTURES
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
 from satlab.studies.results import (
@@ -30,7 +32,15 @@ from satlab.studies.results import (
     measures_for,
 )
 from satlab.studies.spec import AblationSpec, format_value
-from satlab.studies.stats import Verdict, best_verdict, format_p, mean_std, ordering_verdict, welch_p
+from satlab.studies.stats import (
+    Verdict,
+    best_verdict,
+    decide_all,
+    format_p,
+    mean_std,
+    ordering_verdict,
+    welch_p,
+)
 
 BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
@@ -126,32 +136,57 @@ def results_table(spec: AblationSpec, groups: Sequence[GroupResult], labels: dic
     return rows
 
 
+def by_seed(group: GroupResult | None, column: str) -> dict:
+    """``{seed: value}`` of a group's cells that logged ``column`` (the seed pairs cells across groups)."""
+    if group is None:
+        return {}
+    return {c.cell.seed: c.metrics[column] for c in group.cells if c.metrics.get(column) is not None}
+
+
+def point_label(group: GroupResult) -> str:
+    """The group's values on the axes other than the architecture, e.g. ``source=kjv``."""
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items() if k != "model.arch")
+
+
 def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
-    """The paper's claims on the architecture groups, the other axes at their baseline values; for a recall
-    ablation, "SATFormer retrieves better" at every point of the other axes (the difficulties)."""
+    """The paper's claims on the architecture groups at every point of the other axes (a corpus axis, say) and,
+    with more than one point, pooled over them; for a recall ablation, "SATFormer retrieves better" at every point
+    (the difficulties). Holm's correction runs over all of them together."""
     if "model.arch" not in spec.group_axes():
         return []
     if measures is RECALL_MEASURES:
         verdicts = []
         for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
-            point = ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items()
-                              if k != "model.arch") or "this setting"
+            point = point_label(group) or "this setting"
             for arch in RECALL_REFERENCES:
-                reference = reference_group(groups, group, arch)
-                samples = {"satformer": group.samples("recall_acc"),
-                           arch: [] if reference is None else reference.samples("recall_acc")}
+                samples = {"satformer": by_seed(group, "recall_acc"),
+                           arch: by_seed(reference_group(groups, group, arch), "recall_acc")}
                 verdicts.append(best_verdict(samples, "satformer", f"SATFormer retrieves better than "
                                              f"{arch_names()[arch]} (held-out accuracy, {point})", labels=arch_names()))
-        return verdicts
-    others = {k: v for k, v in spec.baseline_values().items() if k != "model.arch"}
-    by_arch = {g.values["model.arch"]: g for g in groups if all(g.values[k] == v for k, v in others.items())}
-    return [
-        ordering_verdict({a: g.samples("val_loss") for a, g in by_arch.items()}, ["satformer", "resformer",
-                         "transformer"], "SATFormer < ResFormer < Transformer in final validation loss",
-                         labels=arch_names()),
-        best_verdict({a: g.samples("retrieval") for a, g in by_arch.items()}, "satformer",
-                     "SATFormer best on the retrieval average", labels=arch_names()),
-    ]
+        return decide_all(verdicts)
+    points: dict[str, dict[str, GroupResult]] = {}  # one per value of the other axes (a corpus axis, say)
+    for group in groups:
+        point = point_label(group)
+        points.setdefault(point, {})[group.values["model.arch"]] = group
+    retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
+
+    def claims(samples: Callable[[str], dict[str, dict]], where: str) -> list[Verdict]:
+        return [ordering_verdict(samples("val_loss"), ["satformer", "resformer", "transformer"],
+                                 f"SATFormer < ResFormer < Transformer in final validation loss{where}",
+                                 labels=arch_names()),
+                best_verdict(samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
+                             labels=arch_names(), chance=retrieval_chance)]
+
+    verdicts = []
+    for point, by_arch in points.items():
+        verdicts += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
+                           f" ({point})" if point else "")
+    if len(points) > 1:  # pooled: a cell is paired with the cell of the same point and seed
+        verdicts += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
+                                                  for seed, value in by_seed(by_arch.get(arch), column).items()}
+                                           for arch in {a for by_arch in points.values() for a in by_arch}},
+                           " (pooled over " + "; ".join(points) + ")")
+    return decide_all(verdicts)
 
 
 def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Sequence[GroupResult],
@@ -194,7 +229,8 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures)
     body = MarkdownIt("commonmark").enable("table").render(text)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
-               "verdicts": [{"claim": v.claim, "held": v.held, "detail": v.detail} for v in verdicts],
+               "verdicts": [{"claim": v.claim, "outcome": v.outcome, "detail": v.detail,
+                             "comparisons": [asdict(c) for c in v.comparisons]} for v in verdicts],
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -248,8 +284,14 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
     lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), ""]
     if verdicts:
         lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
-                  "Verdicts compare means; \"significant\" means Welch p < 0.05 over the seeds. They hold for "
-                  "this ablation's model size and token budget only.", ""]
+                  "**held**: the claimed order, every step of it significant; **contradicted**: a step significantly "
+                  "the other way; **not resolved**: neither, with the minimum detectable difference at 80 % power "
+                  "and the seeds a side that would resolve the observed one; **not measurable at this scale**: every "
+                  "architecture within noise of the metric's chance level. Significant: p < 0.05 after Holm's "
+                  "correction over all the comparisons above. The verdict uses the paired t-test over seeds when "
+                  "both groups have the same seeds (a seed fixes the data order and the initial draws, so pairing "
+                  "removes what cells of one seed share), Welch's otherwise; both are given. They hold for this "
+                  "ablation's model size and token budget only.", ""]
     if "accuracy_vs_difficulty" in files:
         lines += ["## Accuracy against difficulty", "", "![accuracy vs difficulty](accuracy_vs_difficulty.png)", ""]
     lines += ["## Learning curves", "", f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else

@@ -159,8 +159,9 @@ class GridPlan:
         """Each cell's trials, less those that do not count (duplicates, superseded)."""
         out: dict[str, list[FrozenTrial]] = {key: [] for key in self.cells}
         superseded = set(study.user_attrs.get(SUPERSEDED, []))
-        for trial in study.get_trials(deepcopy=False):
-            if trial.params and not trial.user_attrs.get(IGNORED) and trial.number not in superseded:
+        for trial in study.get_trials(deepcopy=False):  # another worker's newest trial may have only some axes yet
+            if self.spec.axes.keys() <= trial.params.keys() and not trial.user_attrs.get(IGNORED) \
+                    and trial.number not in superseded:
                 out[self.cell(trial.params).key].append(trial)
         return out
 
