@@ -415,3 +415,7 @@ def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and
     retrieval = verdicts["SATFormer best on the retrieval average (source=kjv)"]
     assert retrieval["outcome"] == "not measurable at this scale"
     assert "Holm" in files["markdown"].read_text()
+    header, *rows = json.loads(files["summary"].read_text())["table"]
+    by_cell = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+    assert by_cell["source=kjv, arch=transformer (baseline)"]["p (loss)"] == "baseline"  # each corpus its own
+    assert float(by_cell["source=kjv, arch=satformer"]["p (loss)"]) < 0.05

@@ -69,6 +69,9 @@ def comparisons(spec: AblationSpec, groups: Sequence[GroupResult], measures: Mea
     if measures is RECALL_MEASURES and "model.arch" in spec.group_axes():
         return REFERENCE_P, [Comparison(f" vs {arch_names()[a]}", "reference",
                                         lambda g, a=a: reference_group(groups, g, a)) for a in RECALL_REFERENCES]
+    baseline_arch = spec.baseline_values().get("model.arch")
+    if "model.arch" in spec.group_axes() and baseline_arch is not None:  # the same corpus (or other axes) only
+        return BASELINE_P, [Comparison("", "baseline", lambda g: reference_group(groups, g, baseline_arch))]
     baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
     return BASELINE_P, [Comparison("", "baseline", lambda g: baseline)]
 
@@ -277,8 +280,9 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   f"interval), mean over the cells that reached it, (k/n) how many did. p: two-sided Welch t-test "
                   f"over seeds {against}. Answer loss: cross-entropy at the answers.", ""]
     else:
-        lines += ["Mean ± sample std over seeds. p: two-sided Welch t-test against the baseline group over seeds "
-                  "(— when a side has fewer than two values). Throughput is the mean logged tokens/s; memory the "
+        lines += ["Mean ± sample std over seeds. p: two-sided Welch t-test over seeds against the baseline group (with "
+                  "`model.arch` an axis: the baseline architecture at the same values of the other axes; — when a "
+                  "side has fewer than two values). Throughput is the mean logged tokens/s; memory the "
                   "peak; gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run "
                   "logged (e.g. evaluation not run, or no gates).", ""]
     lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), ""]
