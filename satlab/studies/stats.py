@@ -223,6 +223,9 @@ def best_verdict(samples: Mapping[str, Mapping[object, float]], best: str, claim
         return Verdict(claim, "could not be checked",
                        f"Two values or more are needed for {name.get(best, best)} and one other; found {found}.")
     sign = -1 if higher_is_better else 1
-    runner_up = min((k for k in present if k != best), key=lambda k: sign * float(np.mean(list(present[k].values()))))
-    return ordering_verdict(present, [best, runner_up], claim, lower_is_better=not higher_is_better, labels=labels,
-                            chance=chance)
+    rank = sorted(present, key=lambda k: sign * float(np.mean(list(present[k].values()))))
+    runner_up = next(k for k in rank if k != best)
+    verdict = ordering_verdict(present, [best, runner_up], claim, lower_is_better=not higher_is_better,
+                               labels=labels, chance=chance)
+    verdict.detail += f" Ranking: {', '.join((labels or {}).get(k, k) for k in rank)}."
+    return verdict
