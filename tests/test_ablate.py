@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -118,7 +119,8 @@ def test_shipped_ablations_expand_and_load() -> None:
     names = list_specs(AblationSpec)
     assert {"arch_tiny", "granularity", "gate_fn", "arch_small", "arch_xl"} <= set(names)
     arch = load_ablation("arch_tiny")
-    assert len(arch.cells()) == 30 and arch.baseline_values() == {"model.arch": "transformer"}
+    assert len(arch.cells()) == 60 and arch.axes["data.source"] == ["shakespeare", "kjv"]
+    assert arch.baseline_values() == {"model.arch": "transformer", "data.source": "shakespeare"}
     assert sorted(arch.axes["model.arch"]) == sorted(["transformer", "resformer", "satformer", "denseformer",
                                                       "hyperconnections", "muddformer", "mhc", "attnres",
                                                       "block_attnres", "value_embed"])
@@ -126,6 +128,10 @@ def test_shipped_ablations_expand_and_load() -> None:
     assert (base.model.size, base.train.precision, base.train.compile) == ("tiny", "32-true", False)
     assert len(load_ablation("granularity").cells()) == 15 and len(load_ablation("gate_fn").cells()) == 18
     assert load_ablation("arch_small").base_config().data.seq_len == 4096
+    short, long = load_ablation("paper_corpora"), load_ablation("paper_long")
+    assert long.axes == short.axes and len(long.cells()) == 18  # the same grid at four times the budget
+    assert [s.base_config().train.max_tokens for s in (short, long)] == [262_144, 1_048_576]
+    assert long.overrides["train.ckpt_every_tokens"] < 1_048_576
 
 
 def test_welch_p_matches_scipy_and_the_formula() -> None:
@@ -381,7 +387,9 @@ def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_p
     assert "SATFormer retrieves better than Transformer" in result.report["markdown"].read_text()
 
 
-def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and_pooled(tmp_path: Path) -> None:
+def synthetic_two_corpus_report(tmp_path: Path, loss: Callable[[str, str, int, int], float]) -> dict[str, Path]:
+    """The report of a T/R/S x two corpora x 3 seeds grid of recorded runs whose validation loss after ``step`` of
+    the tiny cell's 128 steps (2,048 tokens each) is ``loss(corpus, arch, seed, step)``."""
     from satlab.studies.ablation_report import write_report
     from satlab.studies.runs import create_parent_run
 
@@ -393,18 +401,29 @@ def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = create_parent_run(client, spec, None)
     experiment = client.get_run(parent).info.experiment_id
-    loss = {"shakespeare": {"satformer": 5.50, "resformer": 5.60, "transformer": 5.70},  # the paper's order
-            "kjv": {"satformer": 4.70, "resformer": 4.60, "transformer": 4.50}}  # the opposite
     for cell in spec.cells():
         values = dict(cell.values)
         run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key})
-        seed_effect = (0.0, 0.03, -0.02)[cell.seed] + 0.002 * (values["model.arch"] == "resformer") * cell.seed
-        client.log_metric(run.info.run_id, "val/loss", loss[values["data.source"]][values["model.arch"]] + seed_effect,
-                          step=100)
+        client.log_param(run.info.run_id, "derived.tokens_per_step", 2048)
+        client.log_param(run.info.run_id, "derived.max_steps", 128)
+        for step in (0, 31, 63, 128):  # validations before training, inside it after 32 and 64 steps, at the end
+            client.log_metric(run.info.run_id, "val/loss",
+                              loss(values["data.source"], values["model.arch"], cell.seed, step), step=step)
         client.log_metric(run.info.run_id, "zero_shot/offline_retrieval_avg", 0.25 + 0.01 * (cell.seed - 1),
-                          step=100)
+                          step=128)
         client.set_terminated(run.info.run_id)
-    files = write_report(spec, client, parent)
+    return write_report(spec, client, parent)
+
+
+def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and_pooled(tmp_path: Path) -> None:
+    final = {"shakespeare": {"satformer": 5.50, "resformer": 5.60, "transformer": 5.70},  # the paper's order
+             "kjv": {"satformer": 4.70, "resformer": 4.60, "transformer": 4.50}}  # the opposite
+
+    def loss(corpus: str, arch: str, seed: int, step: int) -> float:
+        seed_effect = (0.0, 0.03, -0.02)[seed] + 0.002 * (arch == "resformer") * seed
+        return final[corpus][arch] + seed_effect + 3.0 * (128 - step) / 128
+
+    files = synthetic_two_corpus_report(tmp_path, loss)
     verdicts = {v["claim"]: v for v in json.loads(files["summary"].read_text())["verdicts"]}
     claim = "SATFormer < ResFormer < Transformer in final validation loss"
     assert verdicts[f"{claim} (source=shakespeare)"]["outcome"] == "held"
@@ -419,3 +438,28 @@ def test_an_architecture_ablation_over_two_corpora_gives_verdicts_per_corpus_and
     by_cell = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
     assert by_cell["source=kjv, arch=transformer (baseline)"]["p (loss)"] == "baseline"  # each corpus its own
     assert float(by_cell["source=kjv, arch=satformer"]["p (loss)"]) < 0.05
+
+
+def test_the_report_gives_the_loss_of_every_cell_at_matched_tokens_and_the_order_at_each(tmp_path: Path) -> None:
+    """An order that changes along the curve: the Transformer leads early on Shakespeare, SATFormer at the end."""
+    early = {"transformer": 6.0, "resformer": 6.1, "satformer": 6.2}
+    late = {"satformer": 5.5, "resformer": 5.6, "transformer": 5.7}
+
+    def loss(corpus: str, arch: str, seed: int, step: int) -> float:
+        shift = 0.5 * (corpus == "kjv") + 0.01 * seed
+        return 9.0 + shift if step == 0 else (early if step < 64 else late)[arch] + shift
+
+    files = synthetic_two_corpus_report(tmp_path, loss)
+    summary = json.loads(files["summary"].read_text())
+    header, *rows = summary["matched_tokens"]
+    assert header == ["cell", "65,536", "131,072", "262,144"]  # every shared validation but the untrained one
+    by_cell = {row[0]: row[1:] for row in rows}
+    assert by_cell["source=kjv, arch=satformer"] == ["6.7100 ± 0.0100", "6.7100 ± 0.0100", "6.0100 ± 0.0100"]
+    orders = summary["loss_orders"]
+    assert orders["source=shakespeare"]["65536"] == ["transformer", "resformer", "satformer"]
+    assert orders["source=shakespeare"]["262144"] == ["satformer", "resformer", "transformer"]
+    assert set(orders) == {"source=shakespeare", "source=kjv"}
+    text = files["markdown"].read_text()
+    assert "## Validation loss at matched tokens" in text
+    assert ("(source=shakespeare), tokens: 65,536: Transformer < ResFormer < SATFormer; 131,072: Transformer < "
+            "ResFormer < SATFormer; 262,144: SATFormer < ResFormer < Transformer.") in text

@@ -24,15 +24,14 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
     figure, axes = plt.subplots(figsize=(8, 5))
     tops = []
     for i, group in enumerate(g for g in groups if any(c.curve for c in g.cells)):
-        curves = [dict(c.curve) for c in group.cells if c.curve]
-        tokens = sorted(set.intersection(*(set(c) for c in curves)))
+        tokens, rows = group.shared_curve()
         if not tokens:
             continue
-        values = np.array([[c[t] for t in tokens] for c in curves])
+        values = np.array(rows)
         color = plt.get_cmap("tab10")(i % 10)
         axes.plot(tokens, values.mean(axis=0), color=color, marker="o", markersize=3,
-                  label=f"{labels[group.label]} (n={len(curves)})")
-        if len(curves) > 1:
+                  label=f"{labels[group.label]} (n={len(rows)})")
+        if len(rows) > 1:
             axes.fill_between(tokens, values.min(axis=0), values.max(axis=0), color=color, alpha=0.15, linewidth=0)
         tops.append(values[:, 1:].max() if values.shape[1] > 1 else values.max())
     if not tops:

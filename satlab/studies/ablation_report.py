@@ -45,6 +45,7 @@ from satlab.studies.stats import (
 BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
 RECALL_REFERENCES = ("transformer", "resformer")
+CLAIMED_LOSS_ORDER = ("satformer", "resformer", "transformer")  # the paper's validation-loss claim, best first
 _CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
         "table{border-collapse:collapse;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
         "th:first-child,td:first-child{text-align:left}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
@@ -151,6 +152,40 @@ def point_label(group: GroupResult) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items() if k != "model.arch")
 
 
+def matched_token_rows(groups: Sequence[GroupResult], labels: dict[str, str], measures: Measures) -> list[list[str]]:
+    """The curve metric (mean ± std over seeds) of every group at each token count all of them were validated at,
+    the untrained point left out; header first, [] when the groups share none."""
+    shared = [g.shared_curve() for g in groups if any(c.curve for c in g.cells)]
+    tokens = sorted(set.intersection(*(set(t) for t, _ in shared)) - {0}) if shared else []
+    if not tokens:
+        return []
+    fmt = next(c.fmt for c in measures.columns if c.key == measures.curve_key)
+    rows = [["cell", *(f"{t:,.0f}" for t in tokens)]]
+    for group in groups:
+        at, values = group.shared_curve()
+        row = [labels[group.label]]
+        for t in tokens:
+            mean, std = mean_std([v[at.index(t)] for v in values]) if t in at else (None, None)
+            row.append("—" if mean is None else fmt.format(mean) + ("" if std is None else f" ± {fmt.format(std)}"))
+        rows.append(row)
+    return rows
+
+
+def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]]:
+    """Per point of the other axes (a corpus), the paper's three architectures in order of mean validation loss at
+    each token count they share (best first): whether an order at the end of a run already held earlier, and
+    whether it persists in a run with a longer budget."""
+    orders: dict[str, dict[str, list[str]]] = {}
+    for group in (g for g in groups if g.values.get("model.arch") in CLAIMED_LOSS_ORDER):
+        tokens, values = group.shared_curve()
+        for i, t in enumerate(tokens):
+            if t and values:
+                means = orders.setdefault(point_label(group), {}).setdefault(f"{t:.0f}", {})
+                means[group.values["model.arch"]] = sum(v[i] for v in values) / len(values)
+    return {point: {t: sorted(means, key=means.get) for t, means in by_tokens.items() if len(means) == 3}
+            for point, by_tokens in orders.items()}
+
+
 def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
     """The paper's claims on the architecture groups at every point of the other axes (a corpus axis, say) and,
     with more than one point, pooled over them; for a recall ablation, "SATFormer retrieves better" at every point
@@ -174,7 +209,7 @@ def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: 
     retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
 
     def claims(samples: Callable[[str], dict[str, dict]], where: str) -> list[Verdict]:
-        return [ordering_verdict(samples("val_loss"), ["satformer", "resformer", "transformer"],
+        return [ordering_verdict(samples("val_loss"), list(CLAIMED_LOSS_ORDER),
                                  f"SATFormer < ResFormer < Transformer in final validation loss{where}",
                                  labels=arch_names()),
                 best_verdict(samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
@@ -228,12 +263,16 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     labels = group_labels(spec, groups)
     rows = results_table(spec, groups, labels, measures)
     verdicts = paper_verdicts(spec, groups, measures)
+    matched = matched_token_rows(groups, labels, measures)
+    orders = loss_orders(groups) if measures is not RECALL_MEASURES else {}
     files = write_figures(spec, client, groups, labels, measures, out)
-    text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures)
+    text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
+                           matched, orders)
     body = MarkdownIt("commonmark").enable("table").render(text)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "verdicts": [{"claim": v.claim, "outcome": v.outcome, "detail": v.detail,
                              "comparisons": [asdict(c) for c in v.comparisons]} for v in verdicts],
+               "matched_tokens": matched, "loss_orders": orders,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -260,7 +299,7 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
 
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
-                    measures: Measures) -> str:
+                    measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]]) -> str:
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
@@ -296,6 +335,18 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "both groups have the same seeds (a seed fixes the data order and the initial draws, so pairing "
                   "removes what cells of one seed share), Welch's otherwise; both are given. They hold for this "
                   "ablation's model size and token budget only.", ""]
+    if matched:
+        lines += [f"## {measures.curve_label.capitalize()} at matched tokens", "",
+                  f"Mean ± std over seeds of the {measures.curve_label} at each token count every cell was validated "
+                  "at (the same held-out tokens each time). The cells of one ablation share a learning-rate "
+                  "schedule, so a column compares architectures after equal training; the same column of an "
+                  "ablation with another budget is another point of its schedule (a higher learning rate there).", "",
+                  pd.DataFrame(matched[1:], columns=matched[0]).to_markdown(index=False, disable_numparse=True), ""]
+        names = arch_names()
+        for point, by_tokens in orders.items():
+            steps = "; ".join(f"{int(t):,}: " + " < ".join(names[a] for a in order) for t, order in by_tokens.items())
+            lines.append(f"- Order by mean {measures.curve_label}{f' ({point})' if point else ''}, tokens: {steps}.")
+        lines += [""] if orders else []
     if "accuracy_vs_difficulty" in files:
         lines += ["## Accuracy against difficulty", "", "![accuracy vs difficulty](accuracy_vs_difficulty.png)", ""]
     lines += ["## Learning curves", "", f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else

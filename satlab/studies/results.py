@@ -84,6 +84,12 @@ class GroupResult:
     def params(self) -> int | None:
         return next((c.params for c in self.cells if c.params is not None), None)
 
+    def shared_curve(self) -> tuple[list[float], list[list[float]]]:
+        """The token counts at which every cell with a curve was validated, and per such cell its values there."""
+        curves = [dict(c.curve) for c in self.cells if c.curve]
+        tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        return tokens, [[c[t] for t in tokens] for c in curves]
+
 
 def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
             measures: Measures = LM_MEASURES) -> list[GroupResult]:
