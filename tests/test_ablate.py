@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 import mlflow
@@ -387,17 +388,19 @@ def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_p
     assert "SATFormer retrieves better than Transformer" in result.report["markdown"].read_text()
 
 
-def synthetic_two_corpus_report(tmp_path: Path, loss: Callable[[str, str, int, int], float]) -> dict[str, Path]:
+TWO_CORPORA = {"base": "ablations/tiny_cell", "baseline": {"model.arch": "transformer", "data.source": "shakespeare"},
+               "axes": {"data.source": ["shakespeare", "kjv"], "model.arch": ["transformer", "resformer", "satformer"],
+                        "train.seed": [0, 1, 2]}}
+
+
+def synthetic_two_corpus_report(tmp_path: Path, loss: Callable[[str, str, int, int], float], name: str = "two-corpora",
+                                steps: tuple[int, ...] = (0, 31, 63, 128), **fields: Any) -> dict[str, Path]:
     """The report of a T/R/S x two corpora x 3 seeds grid of recorded runs whose validation loss after ``step`` of
-    the tiny cell's 128 steps (2,048 tokens each) is ``loss(corpus, arch, seed, step)``."""
+    the tiny cell's steps (2,048 tokens each, the last of ``steps`` the end) is ``loss(corpus, arch, seed, step)``."""
     from satlab.studies.ablation_report import write_report
     from satlab.studies.runs import create_parent_run
 
-    spec = spec_from_dict(
-        AblationSpec, {"name": "two-corpora", "base": "ablations/tiny_cell", "out_dir": str(tmp_path / "out"),
-                       "axes": {"data.source": ["shakespeare", "kjv"],
-                                "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]},
-                       "baseline": {"model.arch": "transformer", "data.source": "shakespeare"}})
+    spec = spec_from_dict(AblationSpec, TWO_CORPORA | {"name": name, "out_dir": str(tmp_path / name)} | fields)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = create_parent_run(client, spec, None)
     experiment = client.get_run(parent).info.experiment_id
@@ -405,12 +408,12 @@ def synthetic_two_corpus_report(tmp_path: Path, loss: Callable[[str, str, int, i
         values = dict(cell.values)
         run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key})
         client.log_param(run.info.run_id, "derived.tokens_per_step", 2048)
-        client.log_param(run.info.run_id, "derived.max_steps", 128)
-        for step in (0, 31, 63, 128):  # validations before training, inside it after 32 and 64 steps, at the end
+        client.log_param(run.info.run_id, "derived.max_steps", steps[-1])
+        for step in steps:  # a validation before training, inside it (after step + 1 steps), at the end
             client.log_metric(run.info.run_id, "val/loss",
                               loss(values["data.source"], values["model.arch"], cell.seed, step), step=step)
         client.log_metric(run.info.run_id, "zero_shot/offline_retrieval_avg", 0.25 + 0.01 * (cell.seed - 1),
-                          step=128)
+                          step=steps[-1])
         client.set_terminated(run.info.run_id)
     return write_report(spec, client, parent)
 
@@ -463,3 +466,34 @@ def test_the_report_gives_the_loss_of_every_cell_at_matched_tokens_and_the_order
     assert "## Validation loss at matched tokens" in text
     assert ("(source=shakespeare), tokens: 65,536: Transformer < ResFormer < SATFormer; 131,072: Transformer < "
             "ResFormer < SATFormer; 262,144: SATFormer < ResFormer < Transformer.") in text
+
+
+def test_a_longer_budget_report_says_whether_the_shorter_ablations_order_persists(tmp_path: Path) -> None:
+    """Shakespeare: the short run ends with SATFormer best and the long one keeps it; KJV: the order at the short
+    budget turns round by the end of the long one."""
+    def loss(corpus: str, arch: str, seed: int, step: int) -> float:
+        if step == 0:
+            return 9.0
+        flipped = corpus == "kjv" and step > 200
+        rank = ["satformer", "resformer", "transformer"].index(arch)
+        return 5.0 + 0.1 * (2 - rank if flipped else rank) + 0.01 * seed - 0.001 * step
+
+    short = tmp_path / "short.yml"
+    short.write_text(yaml.safe_dump(TWO_CORPORA | {"name": "short", "out_dir": str(tmp_path / "short")}))
+    missing = synthetic_two_corpus_report(tmp_path, loss, "long", (0, 63, 127, 512), compare_with=str(short))
+    assert f"`{short}` has no runs in this store" in missing["markdown"].read_text()
+    synthetic_two_corpus_report(tmp_path, loss, "short", (0, 63, 128))
+    files = synthetic_two_corpus_report(tmp_path, loss, "long", (0, 63, 127, 512), compare_with=str(short))
+    budgets = json.loads(files["summary"].read_text())["budget_comparison"]
+    assert budgets["source=shakespeare"] == {
+        "there_tokens": 262_144, "there": ["satformer", "resformer", "transformer"], "here_tokens": 1_048_576,
+        "here_same_tokens": ["satformer", "resformer", "transformer"],
+        "here": ["satformer", "resformer", "transformer"], "persists": True}
+    assert budgets["source=kjv"]["here"] == ["transformer", "resformer", "satformer"]
+    assert not budgets["source=kjv"]["persists"]
+    text = files["markdown"].read_text()
+    assert ("- source=kjv: `" + str(short) + "` at its end (262,144 tokens) SATFormer < ResFormer < Transformer; "
+            "here at 262,144 tokens SATFormer < ResFormer < Transformer; here at the end (1,048,576 tokens) "
+            "Transformer < ResFormer < SATFormer: the order **changes**.") in text
+    with pytest.raises(ConfigError, match="compare_with: .*arch_tiy.*did you mean 'arch_tiny'"):
+        load_ablation("paper_long", ["compare_with=arch_tiy"])

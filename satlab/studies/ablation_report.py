@@ -22,6 +22,7 @@ from rich.table import Table
 from satlab.evaluation.tasks import RETRIEVAL, chance_level
 from satlab.models.architecture import ARCHITECTURES
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
+from satlab.studies.loader import load_ablation
 from satlab.studies.results import (
     RECALL_MEASURES,
     Column,
@@ -31,6 +32,7 @@ from satlab.studies.results import (
     download_heatmap,
     measures_for,
 )
+from satlab.studies.runs import find_parent_run
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import (
     Verdict,
@@ -54,6 +56,11 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;
 def arch_names() -> dict[str, str]:
     """Display names from the registry (read when a report is written: an architecture registered late counts)."""
     return {name: arch.label for name, arch in ARCHITECTURES.items()}
+
+
+def order_text(archs: Sequence[str]) -> str:
+    """``SATFormer < ResFormer < Transformer``: architectures best first, by their display names."""
+    return " < ".join(arch_names()[a] for a in archs)
 
 
 @dataclass
@@ -186,6 +193,26 @@ def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]
             for point, by_tokens in orders.items()}
 
 
+def budget_comparison(spec: AblationSpec, client: mlflow.MlflowClient,
+                      orders: dict[str, dict[str, list[str]]]) -> dict[str, dict] | None:
+    """Per point of the other axes both ablations have, the order at the end of ``spec.compare_with`` (a shorter
+    budget, say) beside this ablation's at the same token count and at its own end; None when that ablation has no
+    runs in this store."""
+    other = load_ablation(spec.compare_with)
+    parent = find_parent_run(client, other) or find_parent_run(client, other, same_settings=False)
+    if parent is None:
+        return None
+    theirs = loss_orders(collect(other, client, parent.info.run_id))
+    comparison = {}
+    for point in orders.keys() & theirs.keys():
+        there_end, here_end = (max(o, key=int) for o in (theirs[point], orders[point]))
+        comparison[point] = {"there_tokens": int(there_end), "there": theirs[point][there_end],
+                             "here_same_tokens": orders[point].get(there_end), "here_tokens": int(here_end),
+                             "here": orders[point][here_end],
+                             "persists": orders[point][here_end] == theirs[point][there_end]}
+    return comparison
+
+
 def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
     """The paper's claims on the architecture groups at every point of the other axes (a corpus axis, say) and,
     with more than one point, pooled over them; for a recall ablation, "SATFormer retrieves better" at every point
@@ -265,14 +292,16 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     verdicts = paper_verdicts(spec, groups, measures)
     matched = matched_token_rows(groups, labels, measures)
     orders = loss_orders(groups) if measures is not RECALL_MEASURES else {}
+    budgets = budget_comparison(spec, client, orders) if spec.compare_with and orders else None
     files = write_figures(spec, client, groups, labels, measures, out)
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
-                           matched, orders)
+                           matched, orders, budgets)
     body = MarkdownIt("commonmark").enable("table").render(text)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "verdicts": [{"claim": v.claim, "outcome": v.outcome, "detail": v.detail,
                              "comparisons": [asdict(c) for c in v.comparisons]} for v in verdicts],
-               "matched_tokens": matched, "loss_orders": orders,
+               "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
+               "budget_comparison": budgets,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -299,7 +328,8 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
 
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
-                    measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]]) -> str:
+                    measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
+                    budgets: dict[str, dict] | None) -> str:
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
@@ -342,11 +372,23 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "schedule, so a column compares architectures after equal training; the same column of an "
                   "ablation with another budget is another point of its schedule (a higher learning rate there).", "",
                   pd.DataFrame(matched[1:], columns=matched[0]).to_markdown(index=False, disable_numparse=True), ""]
-        names = arch_names()
         for point, by_tokens in orders.items():
-            steps = "; ".join(f"{int(t):,}: " + " < ".join(names[a] for a in order) for t, order in by_tokens.items())
+            steps = "; ".join(f"{int(t):,}: {order_text(order)}" for t, order in by_tokens.items())
             lines.append(f"- Order by mean {measures.curve_label}{f' ({point})' if point else ''}, tokens: {steps}.")
         lines += [""] if orders else []
+    if spec.compare_with and orders:
+        lines += [f"## Against `{spec.compare_with}`", ""]
+        if budgets is None:
+            lines += [f"`{spec.compare_with}` has no runs in this store: run it (`satlab ablate {spec.compare_with}`) "
+                      "and write this report again (`satlab report`) to compare the orders.", ""]
+        for point, c in (budgets or {}).items():
+            same = "" if c["here_same_tokens"] is None else \
+                f"; here at {c['there_tokens']:,} tokens {order_text(c['here_same_tokens'])}"
+            lines.append(f"- {point or 'all cells'}: `{spec.compare_with}` at its end ({c['there_tokens']:,} tokens) "
+                         f"{order_text(c['there'])}{same}; here at the end ({c['here_tokens']:,} tokens) "
+                         f"{order_text(c['here'])}: the order **{'persists' if c['persists'] else 'changes'}**.")
+        lines += ["", "Orders of means; which steps are significant is in the claims above."] if budgets else []
+        lines += [""]
     if "accuracy_vs_difficulty" in files:
         lines += ["## Accuracy against difficulty", "", "![accuracy vs difficulty](accuracy_vs_difficulty.png)", ""]
     lines += ["## Learning curves", "", f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean
-from satlab.config.specs import flatten_mapping, read_spec, short_path, spec_names
+from satlab.config.specs import find_spec, flatten_mapping, read_spec, short_path, spec_names
 from satlab.config.structured import build
 from satlab.studies.spec import (
     DEFAULT_SPACE,
@@ -145,6 +145,11 @@ def check_against_config(spec: StudySpec) -> None:
             except ConfigError as e:
                 problems.extend(f"{spec.kind} '{spec.name}', {override}: {p.removeprefix(f'override {override!r}: ')}"
                                 for p in e.problems)
+    if isinstance(spec, AblationSpec) and spec.compare_with is not None:
+        try:
+            find_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix)
+        except ConfigError as e:
+            problems.extend(f"{spec.kind} '{spec.name}': compare_with: {p}" for p in e.problems)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
 

@@ -276,6 +276,7 @@ class AblationSpec(StudySpec):
     seed_key: str = "train.seed"
     baseline: dict[str, Any] = field(default_factory=dict)
     timeout_minutes: float | None = None  # type: ignore[assignment]  # a field here (the format's), not a property
+    compare_with: str | None = None  # another ablation (name or file) whose loss orders the report sets beside these
 
     def default_out(self) -> Path:
         return Path("reports") / "ablations" / self.name
