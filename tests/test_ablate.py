@@ -32,6 +32,7 @@ from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.stats import (
     best_verdict,
     compare,
+    comparison_text,
     decide_all,
     holm,
     mean_std,
@@ -190,6 +191,8 @@ def test_the_verdict_pairs_by_seed_and_reports_welch_beside_it() -> None:
     unpaired = compare("a", "b", {"a": a, "b": {5: 3.02, 6: 3.12, 7: 2.93}})
     assert not unpaired.paired and unpaired.p == unpaired.welch_p and unpaired.paired_p is None
     assert paired_p([1.0, 2.0], [1.0]) is None
+    nil = compare("a", "b", {"a": seeded(3.0, 3.1, 2.9), "b": seeded(3.03, 3.07, 2.901)})
+    assert nil.seeds_needed > 1000 and "more than 1,000 seeds a side would resolve" in comparison_text(nil)
     assert holm([0.01, 0.04, None, 0.03]) == [pytest.approx(0.03), pytest.approx(0.06), None, pytest.approx(0.06)]
 
 

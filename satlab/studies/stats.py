@@ -22,6 +22,7 @@ from scipy import stats
 
 SIGNIFICANCE = 0.05
 POWER = 0.8
+MANY_SEEDS = 1000  # a text says "more than" this (a difference the spread cannot show); summary.json keeps it
 
 
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -169,8 +170,9 @@ class Verdict:
 
 
 def comparison_text(c: Comparison) -> str:
-    needed = ("" if c.significant or c.seeds_needed is None else
-              f", about {c.seeds_needed} seeds a side would resolve {abs(c.gain):.3g}")
+    seeds = "" if c.seeds_needed is None else \
+        f"about {c.seeds_needed}" if c.seeds_needed <= MANY_SEEDS else f"more than {MANY_SEEDS:,}"
+    needed = "" if c.significant or not seeds else f", {seeds} seeds a side would resolve {abs(c.gain):.3g}"
     used = "the paired test" if c.paired else "Welch"
     return (f"{c.better} vs {c.worse}: {c.gain:+.3g} in the claimed direction, paired p {format_p(c.paired_p)}, "
             f"Welch p {format_p(c.welch_p)} (the verdict uses {used}, Holm-adjusted {format_p(c.p_adjusted)}), "
