@@ -177,6 +177,11 @@ def test_a_claim_is_held_contradicted_not_resolved_or_not_measurable_on_syntheti
     above = decided({"satformer": seeded(0.61, 0.60, 0.62), "resformer": seeded(0.45, 0.44, 0.46),
                      "transformer": seeded(0.30, 0.31, 0.29)}, lower_is_better=False, chance=0.25)
     assert above.outcome == "held"  # far above chance: measured, and the order holds
+    lucky = {f"arch{i}": seeded(0.25 + 0.01 * (i % 3 - 1), 0.26, 0.24) for i in range(9)}
+    lucky["satformer"] = seeded(0.260, 0.263, 0.266)  # one-sample p 0.016 alone; Holm over ten: 0.16
+    assert stats.ttest_1samp([0.260, 0.263, 0.266], 0.25).pvalue < 0.05
+    assert decide_all([best_verdict(lucky, "satformer", "retrieval", chance=0.25)])[0].outcome \
+        == "not measurable at this scale"
     assert decided({"satformer": seeded(3.0)}).outcome == "could not be checked"
     best = decide_all([best_verdict({"satformer": seeded(0.5, 0.52), "resformer": seeded(0.4, 0.41),
                                      "transformer": seeded(0.3, 0.32)}, "satformer", "retrieval", labels=NAMES)])[0]
