@@ -162,14 +162,15 @@ def point_label(group: GroupResult) -> str:
 def matched_token_rows(groups: Sequence[GroupResult], labels: dict[str, str], measures: Measures) -> list[list[str]]:
     """The curve metric (mean ± std over seeds) of every group at each token count all of them were validated at,
     the untrained point left out; header first, [] when the groups share none."""
-    shared = [g.shared_curve() for g in groups if any(c.curve for c in g.cells)]
-    tokens = sorted(set.intersection(*(set(t) for t, _ in shared)) - {0}) if shared else []
+    shared = {g.label: g.shared_curve() for g in groups}
+    with_curves = [at for at, _ in shared.values() if at]
+    tokens = sorted(set.intersection(*map(set, with_curves)) - {0}) if with_curves else []
     if not tokens:
         return []
     fmt = next(c.fmt for c in measures.columns if c.key == measures.curve_key)
     rows = [["cell", *(f"{t:,.0f}" for t in tokens)]]
     for group in groups:
-        at, values = group.shared_curve()
+        at, values = shared[group.label]
         row = [labels[group.label]]
         for t in tokens:
             mean, std = mean_std([v[at.index(t)] for v in values]) if t in at else (None, None)
