@@ -155,6 +155,19 @@ def test_rmsnorm_has_the_values_and_gradients_of_torchs(affine):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_rms_linear_is_the_norm_then_the_projection_in_values_and_gradients():
+    from satlab.models.layers import rms_linear
+
+    x = torch.randn(3, 7, 24, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    outputs = [rms_linear(x, weight, 1e-5), torch.nn.functional.rms_norm(x, (24,), eps=1e-5) @ weight.t()]
+    torch.testing.assert_close(*outputs)
+    probe = torch.randn(3, 7, 5, dtype=torch.float64)
+    got, want = (torch.autograd.grad((out * probe).sum(), [x, weight]) for out in outputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("arch", ["hyperconnections", "mhc"])
 def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(arch):
     losses, grads = [], []
@@ -176,26 +189,43 @@ def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(a
     assert any(g.abs().sum() > 0 for name, g in grads[0].items() if "connections" in name)
 
 
-def test_hyperconnection_coefficients_are_those_of_the_normalised_copies():
-    """The coefficients computed without materialising RMSNorm(H) equal the spec's formula, values and gradients."""
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "stored"])
+def test_hyperconnection_mixing_is_the_spec_formula_in_values_and_gradients(recompute):
+    """The fused read and write (RMSNorm(H) never materialised, backward written out) give the spec's h = A_mᵀH and
+    H' = A_rᵀH + β ⊗ o, with the gradients autograd finds through the plain formula, for H, o and every parameter."""
     from satlab.models.archs.hyperconnections import HyperConnection
 
     torch.manual_seed(0)
-    hc = HyperConnection(d_model=16, n=3, k=1, eps=1e-6)
+    hc = HyperConnection(d_model=16, n=3, k=1, eps=1e-6).double()
     with torch.no_grad():
         for param in hc.parameters():
             param.add_(0.3 * torch.randn_like(param))
-    H = torch.randn(2, 5, 3, 16, requires_grad=True)
-    Hbar = torch.nn.functional.rms_norm(H, (16,), hc.norm.weight, hc.norm.eps)
-    expected = (hc.static_m + hc.s_alpha * torch.tanh(hc.w_m(Hbar)).squeeze(-1),
-                hc.static_r + hc.s_alpha * torch.tanh(hc.w_r(Hbar)),
-                hc.static_beta + hc.s_beta * torch.tanh(hc.w_beta(Hbar)).squeeze(-1))
-    for got, want in zip(hc.coefficients(H), expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-        weights = torch.randn_like(want)
-        grad_got, = torch.autograd.grad((got * weights).sum(), H, retain_graph=True)
-        grad_want, = torch.autograd.grad((want * weights).sum(), H, retain_graph=True)
-        torch.testing.assert_close(grad_got, grad_want, atol=1e-5, rtol=1e-4)
+    H = torch.randn(10, 3, 16, dtype=torch.float64, requires_grad=True)
+    o = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
+
+    def spec():
+        Hbar = torch.nn.functional.rms_norm(H, (16,), hc.norm.weight, hc.norm.eps)
+        a_m = hc.static_m + hc.s_alpha * torch.tanh(hc.w_m(Hbar)).squeeze(-1)
+        a_r = hc.static_r + hc.s_alpha * torch.tanh(hc.w_r(Hbar))
+        beta = hc.static_beta + hc.s_beta * torch.tanh(hc.w_beta(Hbar)).squeeze(-1)
+        h = torch.einsum("ni,nid->nd", a_m, H)
+        return h, torch.einsum("nij,nid->njd", a_r, H) + beta.unsqueeze(-1) * (o * h).unsqueeze(1)
+
+    def fused():
+        h, a_r, beta = hc.read(H, recompute)
+        return h, hc.write(o * h, H, a_r, beta)
+
+    inputs = [H, o, *hc.parameters()]
+    weights = [torch.randn(10, 16, dtype=torch.float64), torch.randn(10, 3, 16, dtype=torch.float64)]
+    results = {}
+    for name, fn in (("spec", spec), ("fused", fused)):
+        outputs = fn()
+        loss = sum((out * w).sum() for out, w in zip(outputs, weights, strict=True))
+        results[name] = (outputs, torch.autograd.grad(loss, inputs))
+    for got, want in zip(results["fused"][0], results["spec"][0], strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(results["fused"][1], results["spec"][1], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["shared-weights", "per-token-weights"])

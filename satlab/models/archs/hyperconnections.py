@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.layers import RMSNorm
-from satlab.models.streams import DepthContext, ResidualStream, recomputed
+from satlab.models.layers import RMSNorm, rms_parts, rms_parts_backward
+from satlab.models.streams import DepthContext, ResidualStream
 
 
 @dataclass
@@ -69,28 +70,80 @@ class HyperConnection(nn.Module):
             self.s_alpha.fill_(0.01)
             self.s_beta.fill_(0.01)
 
-    def coefficients(self, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A_m (B, T, n), A_r (B, T, n, n) and β (B, T, n) from H, without materialising H̄ = RMSNorm(H): one
-        (n + 2)-column matmul and one multiply-add give all three, as columns of a (B, T, n, n + 2) tensor."""
-        n = self.n
-        # vecdot: its backward is one multiply-add (vector_norm's and F.rms_norm's take 2-7x longer on a CPU)
-        rstd = torch.rsqrt(torch.linalg.vecdot(H, H).unsqueeze(-1) / H.shape[-1] + self.norm.eps)
+    def read(self, H: Tensor, recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """The sublayer input h = A_mᵀH (N, d) of the streams H (N, n, d), plus A_r (N, n, n) and β (N, n) for
+        :meth:`write`. The coefficients are the columns of C = static + scale·tanh(H̄ W'), W' = [W_m | W_r | W_β]."""
+        n, dtype = self.n, H.dtype
         weight = torch.cat([self.w_m.weight, self.w_r.weight, self.w_beta.weight]) * self.norm.weight
-        z = torch.tanh(F.linear(H, weight) * rstd)  # tanh(H̄ [W_m | W_r | W_β])
         static = torch.cat([self.static_m.unsqueeze(-1), self.static_r, self.static_beta.unsqueeze(-1)], dim=-1)
         scale = torch.cat([self.s_alpha.expand(n + 1), self.s_beta.unsqueeze(0)])
-        coeffs = torch.addcmul(static, scale, z)
-        return coeffs[..., 0], coeffs[..., 1:n + 1], coeffs[..., n + 1]
-
-    def read(self, H: Tensor, recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """The sublayer input h = A_mᵀH, plus A_r and β for :meth:`write`."""
-        a_m, a_r, beta = recomputed(self.coefficients, H, enabled=recompute)
-        return (a_m.unsqueeze(-1) * H).sum(-2), a_r, beta
+        h, coeffs = _Read.apply(H, weight.to(dtype), static.to(dtype), scale.to(dtype), self.norm.eps, recompute)
+        return h, coeffs[..., 1:n + 1], coeffs[..., n + 1]
 
     @staticmethod
     def write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
         """H <- β ⊗ o + A_rᵀH."""
-        return torch.addcmul(torch.matmul(a_r.transpose(-1, -2), H), beta.unsqueeze(-1), o.unsqueeze(-2))
+        return _Write.apply(o.to(H.dtype), H, a_r, beta)
+
+
+def _coefficient_parts(H: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """rstd (N, n, 1), U = H W'ᵀ (N, n, n + 2) and Z = tanh(U·rstd)."""
+    rstd, u = rms_parts(H, weight, eps)
+    return rstd, u, torch.tanh(u * rstd)
+
+
+class _Read(torch.autograd.Function):
+    """h = A_mᵀH and C = static + scale·Z of :meth:`HyperConnection.read`, with a backward written out: autograd's
+    own takes about twice the passes over H (n·d per token), five gradients of H summed one add at a time among
+    them. Forward keeps only H, which the stream holds anyway, and with ``recompute`` rebuilds rstd, U and Z from it
+    in backward (one norm, one skinny matmul) instead of storing them."""
+
+    @staticmethod
+    def forward(ctx, H: Tensor, weight: Tensor, static: Tensor, scale: Tensor, eps: float,
+                recompute: bool) -> tuple[Tensor, Tensor]:
+        with torch.autocast(H.device.type, enabled=False):  # the mixing in the streams' dtype (fp32 under bf16-mixed)
+            rstd, u, z = _coefficient_parts(H, weight, eps)
+            coeffs = torch.addcmul(static, scale, z)
+            h = torch.bmm(coeffs[..., 0].unsqueeze(1).contiguous(), H).squeeze(1)
+        ctx.eps, ctx.recompute = eps, recompute
+        ctx.save_for_backward(H, weight, static, scale, *(() if recompute else (rstd, u, z)))
+        return h, coeffs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh: Tensor | None, dcoeffs: Tensor | None):
+        H, weight, static, scale, *parts = ctx.saved_tensors
+        rstd, u, z = parts or _coefficient_parts(H, weight, ctx.eps)
+        dcoeffs = torch.zeros_like(z) if dcoeffs is None else dcoeffs.clone()
+        if dh is not None:  # A_m's gradient, dh·H_i
+            dcoeffs[..., 0] += torch.linalg.vecdot(H, dh.unsqueeze(1))
+        d_static, d_scale = dcoeffs.sum(0), (dcoeffs * z).sum((0, 1))
+        dH, d_weight = rms_parts_backward(H, weight, rstd, u, dcoeffs * scale * (1 - z * z))  # through tanh
+        if dh is not None:
+            dH.addcmul_(torch.addcmul(static[:, :1], scale[:1], z[..., :1]), dh.unsqueeze(1))  # A_m ⊗ dh
+        return dH, d_weight, d_static, d_scale, None, None
+
+
+class _Write(torch.autograd.Function):
+    """H' = A_rᵀH + β ⊗ o, with the four products of its backward as batched matmuls and a dot."""
+
+    @staticmethod
+    def forward(ctx, o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
+        with torch.autocast(H.device.type, enabled=False):
+            out = torch.bmm(a_r.transpose(1, 2), H).addcmul_(beta.unsqueeze(-1), o.unsqueeze(1))
+        ctx.save_for_backward(o, H, a_r, beta)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor):
+        o, H, a_r, beta = ctx.saved_tensors
+        dout = dout.contiguous()  # the streams' final sum hands back an expanded gradient
+        do = torch.bmm(beta.unsqueeze(1).contiguous(), dout).squeeze(1)
+        dH = torch.bmm(a_r, dout)
+        da_r = torch.bmm(H, dout.transpose(1, 2))
+        dbeta = torch.linalg.vecdot(dout, o.unsqueeze(1))
+        return do, dH, da_r, dbeta
 
 
 class HyperConnectionStream(ResidualStream):
@@ -116,14 +169,15 @@ class HyperConnectionStream(ResidualStream):
         return len(self.connections) * 3 * 2 * self.n * (self.n + 1) * d
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        B, T, d = x.shape
+        H = x.reshape(B * T, 1, d).expand(B * T, self.n, d).contiguous()  # the streams of token t: H[t] (n, d)
         for i in range(len(ctx.blocks)):
             attn_hc, mlp_hc = self.connections[2 * i], self.connections[2 * i + 1]
             h, a_r, beta = attn_hc.read(H, self.recompute)
-            H = attn_hc.write(ctx.attend(i, h), H, a_r, beta)
+            H = attn_hc.write(ctx.attend(i, h.view(B, T, d)).view(B * T, d), H, a_r, beta)
             h, a_r, beta = mlp_hc.read(H, self.recompute)
-            H = mlp_hc.write(ctx.feedforward(i, h), H, a_r, beta)
-        return H.sum(dim=-2) / self.n
+            H = mlp_hc.write(ctx.feedforward(i, h.view(B, T, d)).view(B * T, d), H, a_r, beta)
+        return (H.sum(dim=1) / self.n).view(B, T, d)
 
     def mixing_weights(self) -> dict[str, MixingWeight]:
         """Static parts per sublayer: A_m's static row (2L, n), β's static part (2L, n), A_r's diagonal (2L, n)."""

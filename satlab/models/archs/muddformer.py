@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.depth_buffer import DepthBuffer
-from satlab.models.layers import Block, RMSNorm
+from satlab.models.layers import Block, rms_linear
 from satlab.models.streams import DepthContext, ResidualStream
 
 STREAMS = ("q", "k", "v", "r")
@@ -42,7 +42,7 @@ class DepthAggregate(nn.Module):
         super().__init__()
         self.d_model, self.n_sources, self.n_outputs = d_model, n_sources, n_outputs
         hidden = 4 * n_sources
-        self.norm = RMSNorm(d_model, eps, elementwise_affine=False)
+        self.eps = eps
         self.w1 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, n_outputs * n_sources, bias=False)
         self.static = nn.Parameter(torch.empty(n_outputs, n_sources))
@@ -57,7 +57,7 @@ class DepthAggregate(nn.Module):
 
     def forward(self, last: Tensor) -> Tensor:
         """The per-token weights A, (B, T, C, i+1), from X_i = ``last``."""
-        weights = self.w2(F.gelu(self.w1(self.norm(last))))
+        weights = self.w2(F.gelu(rms_linear(last, self.w1.weight, self.eps)))
         return weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
 
 
