@@ -22,6 +22,7 @@ from satlab.bench.throughput import PairedRatio
 from satlab.config.derived import derive_schedule
 from satlab.config.loader import load_experiment
 from satlab.training.module import LMModule
+from satlab.training.perf import keep_freed_memory
 
 
 class _StepTimer(L.Callback):
@@ -40,6 +41,7 @@ class _StepTimer(L.Callback):
 def lightning_overhead(arch: str = "satformer", size: str = "tiny", batch: int = 8, seq_len: int = 256,
                        steps: int = 6, warmup: int = 2, rounds: int = 5, seed: int = 0) -> dict[str, float]:
     """Median step seconds of both loops on the CPU, and their paired ratio (Lightning / bare) with its 95 % CI."""
+    keep_freed_memory()
     cfg = load_experiment("default", [f"model.arch={arch}", f"model.size={size}", f"data.seq_len={seq_len}",
                                       f"train.micro_batch_size={batch}", f"train.global_batch_tokens={batch * seq_len}",
                                       f"train.max_tokens={batch * seq_len * rounds * steps}"])

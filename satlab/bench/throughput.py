@@ -22,7 +22,7 @@ from scipy import stats
 
 from satlab.models import build_model, count_params, flops_per_token
 from satlab.training.parallel import compile_blocks
-from satlab.training.perf import device_peak_flops
+from satlab.training.perf import device_peak_flops, keep_freed_memory
 
 
 @dataclass
@@ -170,6 +170,7 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
     """Interleaved training-step benchmark of ``archs`` at one size and batch. Each round steps the reference (the
     Transformer if present, else the first) and then each other architecture, in pairs; after ``rounds`` rounds it
     goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``."""
+    keep_freed_memory()
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32

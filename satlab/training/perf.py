@@ -6,7 +6,10 @@ Lightning's ``ThroughputMonitor`` knows no H200 and uses sparse peaks, so MFU he
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
+import sys
 import time
 
 import lightning as L
@@ -39,6 +42,26 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float | Non
                 return (peak if "16" in precision else peak / 2), f"{key} dense table"  # fp32 runs on TF32 at half rate
         return None, f"unknown device '{name}': no MFU"
     return measure_cpu_matmul_peak(), "cpu fp32 matmul measured"
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed memory in the process rather than hand it back to the OS; True when the C library took it.
+
+    glibc returns large freed blocks at once (munmap, or trimming the heap), and the next training step faults every
+    page of them in again, zero-filled by the kernel: about 37,000 page faults (150 MB) per tiny step on the 2-core
+    CPU here, 15-25 % of the step's time and most of the bench's run-to-run noise, and more for the architectures
+    whose allocations happen to fall that way. No mmap for large blocks and no trimming is what jemalloc and tcmalloc
+    (which the PyTorch CPU tuning guides recommend) do by default; the process keeps its peak, as CUDA's caching
+    allocator does. A no-op off glibc (``mallopt`` is glibc's)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        return all(libc.mallopt(option, value) == 1 for option, value in
+                   ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)))
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
 
 
 _CPU_PEAK: float | None = None

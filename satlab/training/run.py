@@ -30,7 +30,7 @@ from satlab.training.datamodule import LMDataModule
 from satlab.training.mlflow_logger import ResumableMLFlowLogger
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
-from satlab.training.perf import ThroughputCallback
+from satlab.training.perf import ThroughputCallback, keep_freed_memory
 from satlab.training.resilience import (
     AtomicCheckpointIO,
     CheckpointAfterValidation,
@@ -163,6 +163,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     ``end_eval_seconds`` attribute (the evaluation callback) has that time reported apart from training.
     """
     started = time.perf_counter()
+    keep_freed_memory()
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
