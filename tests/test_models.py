@@ -413,3 +413,22 @@ def test_the_tiny_backbone_with_an_untied_head_and_unit_embeddings_learns_token_
     with torch.no_grad():
         predicted = model(x[:, :-1]).logits[:, 16::2].argmax(-1)
     assert (predicted == x[:, 17::2]).float().mean().item() > 0.9
+
+
+def test_sinkhorn_has_the_values_and_gradients_of_autograd_through_every_iteration():
+    from satlab.models.archs.mhc import sinkhorn
+
+    def reference(logits, iters):
+        matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+        for _ in range(iters):
+            matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+            matrix = matrix / matrix.sum(dim=-1, keepdim=True)
+        return matrix
+
+    logits = (3 * torch.randn(5, 7, 4, 4, dtype=torch.float64)).requires_grad_()
+    probe = torch.randn(5, 7, 4, 4, dtype=torch.float64)
+    for iters in (1, 3, 20):
+        outputs = [sinkhorn(logits, iters), reference(logits, iters)]
+        torch.testing.assert_close(*outputs)
+        got, want = (torch.autograd.grad((out * probe).sum(), logits)[0] for out in outputs)
+        torch.testing.assert_close(got, want)

@@ -83,14 +83,17 @@ def rms_parts_backward(x: Tensor, weight: Tensor, rstd: Tensor, u: Tensor, grad:
 class _RMSLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        rstd, u = rms_parts(x, weight, eps)
+        with torch.autocast(x.device.type, enabled=False):  # in x's dtype: mixing weights in fp32 under bf16-mixed
+            rstd, u = rms_parts(x, weight.to(x.dtype), eps)
         ctx.save_for_backward(x, weight, rstd, u)
         return u * rstd
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        return *rms_parts_backward(*ctx.saved_tensors, grad), None
+        x, weight, rstd, u = ctx.saved_tensors
+        dx, d_weight = rms_parts_backward(x, weight.to(x.dtype), rstd, u, grad.to(x.dtype))
+        return dx, d_weight.to(weight.dtype), None
 
 
 def rms_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:

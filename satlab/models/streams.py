@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from satlab.models.cache import KVCache
@@ -89,3 +90,38 @@ def recomputed(fn: Callable[..., Any], *args: Tensor, enabled: bool = True) -> A
     if enabled and torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+def stream_read(weights: Tensor, H: Tensor) -> Tensor:
+    """Σ_i w_i H_i per token, from weights (N, n) and streams H (N, n, d), as one batched matmul. The weights are made
+    contiguous first: for an operand with no unit stride (a column of a coefficient tensor) the CPU bmm copies each
+    token's matrices one by one, ten times slower."""
+    return torch.bmm(weights.unsqueeze(1).contiguous(), H).squeeze(1)
+
+
+def stream_write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
+    """H' = A_rᵀH + β ⊗ o per token: streams H (N, n, d), the sublayer output o (N, d), A_r (N, n, n), β (N, n)."""
+    return _StreamWrite.apply(o.to(H.dtype), H, a_r, beta)
+
+
+class _StreamWrite(torch.autograd.Function):
+    """The write of the multi-stream residuals (hyper-connections, mHC), its backward the four products it needs
+    as batched matmuls and a dot, on contiguous operands (see :func:`stream_read`)."""
+
+    @staticmethod
+    def forward(ctx, o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
+        with torch.autocast(H.device.type, enabled=False):  # the mixing in the streams' dtype (fp32 under bf16-mixed)
+            out = torch.bmm(a_r.transpose(1, 2), H).addcmul_(beta.unsqueeze(-1), o.unsqueeze(1))
+        ctx.save_for_backward(o, H, a_r, beta)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor):
+        o, H, a_r, beta = ctx.saved_tensors
+        dout = dout.contiguous()  # the streams' final sum hands back an expanded gradient
+        do = torch.bmm(beta.unsqueeze(1).contiguous(), dout).squeeze(1)
+        dH = torch.bmm(a_r, dout)
+        da_r = torch.bmm(H, dout.transpose(1, 2))
+        dbeta = torch.linalg.vecdot(dout, o.unsqueeze(1))
+        return do, dH, da_r, dbeta

@@ -1,6 +1,6 @@
 """Dynamic hyper-connections (Zhu et al., arXiv 2409.19606) with expansion n.
 
-The residual stream is n copies H (B, T, n, d), initialised to n copies of the embedding. Each sublayer (attention:
+The residual stream is n copies H (B·T, n, d), initialised to n copies of the embedding. Each sublayer (attention:
 module k = 2·layer, MLP: k = 2·layer + 1) reads h = A_mᵀH, computes o = F(RMSNorm(h)) and writes
 H <- β ⊗ o + A_rᵀH, where with H̄ = RMSNorm(H) per copy:
 A_m = e_{k mod n} + s_α·tanh(H̄ W_m), A_r = I_n + s_α·tanh(H̄ W_r), β = 1 + s_β·tanh(H̄ W_β).
@@ -10,10 +10,12 @@ At the end the copies are summed and, as satlab's choice, divided by n before th
 invariant, so this is the spec's sum except for the norm's eps; it makes the initial model exactly the Transformer
 (a plain sum would differ from it by eps·(1 - 1/n²)/mean(x²), about 1e-3 relative at init).
 
-Memory: RMSNorm(H)·W is computed as (H·W')·rstd with W' = W·diag(norm scale), so the normalised copies H̄ (n·d per
-token and sublayer) are never materialised and backward keeps H, which the stream holds anyway, and per-copy
-scalars; with ``recompute`` (default) those scalars are recomputed in backward too.
-The rest of what HC stores per sublayer, H itself, is what its backward needs (dA = H·dhᵀ).
+Cost: RMSNorm(H)·W is computed as (H·W')·rstd with W' = W·diag(norm scale), so the normalised copies H̄ (n·d per
+token and sublayer) are never materialised. The read (coefficients and h) and the write are autograd functions with
+their backward written out, which make about half the passes over H that autograd's own graph makes (H is n·d per
+token: at d = 128 as large as the MLP's hidden layer, and a CPU is bound by its memory traffic). Backward keeps H,
+which the stream holds anyway, and with ``recompute`` (default) rebuilds the per-copy coefficients from it instead
+of storing them. The rest of what HC stores per sublayer, H itself, is what its backward needs (dA = H·dhᵀ).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.layers import RMSNorm, rms_parts, rms_parts_backward
-from satlab.models.streams import DepthContext, ResidualStream
+from satlab.models.streams import DepthContext, ResidualStream, stream_read, stream_write
 
 
 @dataclass
@@ -83,7 +85,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
         """H <- β ⊗ o + A_rᵀH."""
-        return _Write.apply(o.to(H.dtype), H, a_r, beta)
+        return stream_write(o, H, a_r, beta)
 
 
 def _coefficient_parts(H: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,7 +106,7 @@ class _Read(torch.autograd.Function):
         with torch.autocast(H.device.type, enabled=False):  # the mixing in the streams' dtype (fp32 under bf16-mixed)
             rstd, u, z = _coefficient_parts(H, weight, eps)
             coeffs = torch.addcmul(static, scale, z)
-            h = torch.bmm(coeffs[..., 0].unsqueeze(1).contiguous(), H).squeeze(1)
+            h = stream_read(coeffs[..., 0], H)
         ctx.eps, ctx.recompute = eps, recompute
         ctx.save_for_backward(H, weight, static, scale, *(() if recompute else (rstd, u, z)))
         return h, coeffs
@@ -122,28 +124,6 @@ class _Read(torch.autograd.Function):
         if dh is not None:
             dH.addcmul_(torch.addcmul(static[:, :1], scale[:1], z[..., :1]), dh.unsqueeze(1))  # A_m ⊗ dh
         return dH, d_weight, d_static, d_scale, None, None
-
-
-class _Write(torch.autograd.Function):
-    """H' = A_rᵀH + β ⊗ o, with the four products of its backward as batched matmuls and a dot."""
-
-    @staticmethod
-    def forward(ctx, o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
-        with torch.autocast(H.device.type, enabled=False):
-            out = torch.bmm(a_r.transpose(1, 2), H).addcmul_(beta.unsqueeze(-1), o.unsqueeze(1))
-        ctx.save_for_backward(o, H, a_r, beta)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout: Tensor):
-        o, H, a_r, beta = ctx.saved_tensors
-        dout = dout.contiguous()  # the streams' final sum hands back an expanded gradient
-        do = torch.bmm(beta.unsqueeze(1).contiguous(), dout).squeeze(1)
-        dH = torch.bmm(a_r, dout)
-        da_r = torch.bmm(H, dout.transpose(1, 2))
-        dbeta = torch.linalg.vecdot(dout, o.unsqueeze(1))
-        return do, dH, da_r, dbeta
 
 
 class HyperConnectionStream(ResidualStream):

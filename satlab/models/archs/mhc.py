@@ -11,9 +11,14 @@ Zoo init (the spec's exact start, since the paper gives only α = 0.01): φ = φ
 b_res = ln(19(n−1))·I (doubly stochastic already, diagonal 0.95); b_pre = logit(p), p_{s mod n} = 1/2, the others
 1/(2(n−1)) (a symmetric start would keep the streams identical for ever); b_h = −ln(n−1) (mean readout); every eps 0
 (the norm r keeps the model's ``norm_eps`` inside its square root, where φ = 0 makes it irrelevant at the start).
-Weight decay: b and α none, φ and φ_h as matrices. No fused kernels here (the paper's +6.7 % is with them), and
-with ``recompute`` (default) the coefficients, Sinkhorn's 2·iters normalisations included, are recomputed per
-sublayer in backward rather than stored (the paper recomputes blockwise, the sublayers' stream states too).
+Weight decay: b and α none, φ and φ_h as matrices.
+
+Cost: no fused kernels (the paper's +6.7 % is with them), but nothing autograd would do in many passes: x̃φ/r is one
+:func:`~satlab.models.layers.rms_linear`, Sinkhorn has its backward written out (it keeps only its logits and replays
+its normalisations), and the read and write are the shared batched matmuls of
+:func:`~satlab.models.streams.stream_write`. With ``recompute`` (default) the coefficients are recomputed per
+sublayer in backward rather than stored; what they would store is now small (n² + 2n numbers per token), so this
+saves little (the paper recomputes blockwise, the sublayers' stream states too).
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.streams import DepthContext, ResidualStream, recomputed
+from satlab.models.layers import rms_linear
+from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
 
 
 @dataclass
@@ -39,11 +46,45 @@ class MHCOptions:
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """exp(logits - max), then ``iters`` times: normalise the columns, then the rows (rows last: each output stream
     is an exact convex combination). (..., n, n), differentiable through every iteration."""
-    matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    return _Sinkhorn.apply(logits, iters)
+
+
+def _sinkhorn_steps(matrices: Tensor, iters: int, keep: bool = False) -> tuple[Tensor, Tensor, list]:
+    """On (n, n, ...) matrices: the result, exp(logits - max), and with ``keep`` each normalisation's (result, sums,
+    dim). Tokens last: a CPU sums and divides over a leading axis of 4 five to ten times faster than over a last."""
+    start = matrix = torch.exp(matrices - matrices.amax(dim=(0, 1), keepdim=True))
+    steps = []
     for _ in range(iters):
-        matrix = matrix / matrix.sum(dim=-2, keepdim=True)
-        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
-    return matrix
+        for dim in (0, 1):  # columns, then rows
+            sums = matrix.sum(dim=dim, keepdim=True)
+            matrix = matrix / sums
+            if keep:
+                steps.append((matrix, sums, dim))
+    return matrix, start, steps
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Sinkhorn-Knopp with its backward written out: autograd's graph of 2·iters divisions of (N, n, n) tensors was
+    most of mHC's step on a CPU. It keeps only the logits, replays the normalisations in backward and steps back
+    through each, dM = (g - Σ_dim g ⊙ M') / s for M' = M / s; the max subtracted before exp cancels in the first
+    normalisation, so no gradient goes through it."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, iters: int) -> Tensor:
+        ctx.iters = iters
+        ctx.save_for_backward(logits)
+        matrix = _sinkhorn_steps(logits.movedim((-2, -1), (0, 1)).contiguous(), iters)[0]
+        return matrix.movedim((0, 1), (-2, -1)).contiguous()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (logits,) = ctx.saved_tensors
+        _, start, steps = _sinkhorn_steps(logits.movedim((-2, -1), (0, 1)).contiguous(), ctx.iters, keep=True)
+        grad = grad.movedim((-2, -1), (0, 1)).contiguous()
+        for normalised, sums, dim in reversed(steps):
+            grad = (grad - (grad * normalised).sum(dim=dim, keepdim=True)) / sums
+        return (grad * start).movedim((0, 1), (-2, -1)).contiguous(), None
 
 
 class ManifoldConnection(nn.Module):
@@ -74,12 +115,15 @@ class ManifoldConnection(nn.Module):
             self.b_res.copy_(math.log(19 * (n - 1)) * torch.eye(n))
             self.alpha.fill_(0.01)
 
-    def forward(self, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n)) for the streams X, in fp32."""
+    def forward(self, X: Tensor, recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """(H_pre (N, n), H_post (N, n), H_res (N, n, n)) for the streams X (N, n, d), in fp32. x̃φ/r is one
+        :func:`rms_linear` (x̃ read once, no normalised copy); what follows works on n² + 2n numbers per token, and
+        with ``recompute`` it (Sinkhorn's 2·iters normalisations included) is recomputed in backward."""
+        m = rms_linear(X.flatten(-2).float(), self.phi.weight, self.eps)
+        return recomputed(self.coefficients, m, enabled=recompute)
+
+    def coefficients(self, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.n
-        flat = X.flatten(-2).float()
-        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-        m = self.phi(flat.to(self.phi.weight.dtype)).float() / r
         pre, post, res = m.split((n, n, n * n), dim=-1)
         h_pre = torch.sigmoid(self.alpha[0] * pre + self.b_pre)
         h_post = 2 * torch.sigmoid(self.alpha[1] * post + self.b_post)
@@ -108,10 +152,8 @@ class ManifoldHead(nn.Module):
                 self.alpha.fill_(0.01)
 
     def forward(self, X: Tensor) -> Tensor:
-        flat = X.flatten(-2).float()
-        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-        weights = torch.sigmoid(self.alpha * self.phi(flat.to(self.phi.weight.dtype)).float() / r + self.b)
-        return torch.einsum("btn,btnd->btd", weights.to(X.dtype), X)
+        weights = torch.sigmoid(self.alpha * rms_linear(X.flatten(-2).float(), self.phi.weight, self.eps) + self.b)
+        return stream_read(weights.to(X.dtype), X)
 
 
 class MHCStream(ResidualStream):
@@ -135,14 +177,14 @@ class MHCStream(ResidualStream):
         return 3 * (len(self.connections) * 2 * self.n * (self.n + 1) * d + 2 * self.n * d)
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        X = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        B, T, d = x.shape
+        X = x.reshape(B * T, 1, d).expand(B * T, self.n, d).contiguous()  # the streams of token t: X[t] (n, d)
         for i in range(len(ctx.blocks)):
             for s, sublayer in ((2 * i, ctx.attend), (2 * i + 1, ctx.feedforward)):
-                coefficients = recomputed(self.connections[s], X, enabled=self.recompute)
-                h_pre, h_post, h_res = (c.to(X.dtype) for c in coefficients)
-                out = sublayer(i, (h_pre.unsqueeze(-1) * X).sum(-2))
-                X = torch.addcmul(torch.matmul(h_res, X), h_post.unsqueeze(-1), out.unsqueeze(-2))
-        return self.head(X)
+                h_pre, h_post, h_res = (c.to(X.dtype) for c in self.connections[s](X, self.recompute))
+                out = sublayer(i, stream_read(h_pre, X).view(B, T, d))
+                X = stream_write(out.view(B * T, d), X, h_res.transpose(-1, -2), h_post)  # H_res X + H_post ⊗ out
+        return self.head(X).view(B, T, d)
 
     def mixing_weights(self) -> dict[str, MixingWeight]:
         """The static parts at zero input: σ(b_pre), 2σ(b_post) and diag Sinkhorn(b_res) per sublayer (2L, n)."""
