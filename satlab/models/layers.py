@@ -26,13 +26,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda or x.dtype != torch.float32:  # a fused kernel on GPUs, and it upcasts low precision itself
-            return F.rms_norm(x, (self.dim,), self.weight, self.eps)
-        return _RMSNormCPU.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def init_weights(self) -> None:
         if self.weight is not None:
             nn.init.ones_(self.weight)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm over the last dimension: F.rms_norm on GPUs (a fused kernel) and in low precision (it upcasts), in
+    fp32 on a CPU the function below."""
+    if x.is_cuda or x.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _RMSNormCPU.apply(x, weight, eps)
 
 
 class _RMSNormCPU(torch.autograd.Function):

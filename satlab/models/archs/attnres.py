@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
 from satlab.models.depth_buffer import DepthBuffer
+from satlab.models.layers import rms_norm
 from satlab.models.streams import DepthContext, ResidualStream
 
 
@@ -94,7 +95,7 @@ class AttnResStream(ResidualStream):
             query.init_weights()
 
     def key(self, v: Tensor) -> Tensor:
-        return F.rms_norm(v, (self.d,), None, self.eps)
+        return rms_norm(v, None, self.eps)
 
     def sources_per_consumer(self) -> list[int]:
         return list(range(1, len(self.queries) + 1))
