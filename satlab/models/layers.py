@@ -43,9 +43,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 class _RMSNormCPU(torch.autograd.Function):
     """RMSNorm in fp32 on a CPU with its backward written out. There F.rms_norm is composite, and autograd through
-    any composite form makes about twice the passes over x that the gradient needs (1.3 ms against 0.5 ms forward
-    and backward at (8, 256, 128)): 3-7 % of a tiny model's step, more for MUDDFormer, which norms three inputs per
-    block and each depth aggregate."""
+    a composite form makes more passes over x than the gradient needs: forward and backward at (8, 256, 128) take
+    0.6-0.7 ms here against 0.95 ms for F.rms_norm and 0.75 ms for the best composite (vecdot). Every block norms
+    two to four inputs (MUDDFormer three, plus its depth aggregates), and QK-norm two more."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -104,8 +104,9 @@ class _RMSLinear(torch.autograd.Function):
 
 def rms_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm(x) Wᵀ for a norm without scale (fold a scale into W): the skinny projections of the mixing weights
-    (MUDDFormer's depth aggregates, hyper-connections) read x once and never materialise RMSNorm(x), in forward or
-    backward, where autograd's own form makes several passes over x for ∂rstd/∂x."""
+    (MUDDFormer's depth aggregates, mHC's coefficients and readout; hyper-connections use its parts inside their
+    read) read x once and never materialise RMSNorm(x), in forward or backward, where autograd's own form makes
+    several passes over x for ∂rstd/∂x."""
     return _RMSLinear.apply(x, weight, eps)
 
 

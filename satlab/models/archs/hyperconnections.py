@@ -107,7 +107,7 @@ class _Read(torch.autograd.Function):
             rstd, u, z = _coefficient_parts(H, weight, eps)
             coeffs = torch.addcmul(static, scale, z)
             h = stream_read(coeffs[..., 0], H)
-        ctx.eps, ctx.recompute = eps, recompute
+        ctx.eps = eps
         ctx.save_for_backward(H, weight, static, scale, *(() if recompute else (rstd, u, z)))
         return h, coeffs
 
