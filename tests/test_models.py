@@ -168,6 +168,35 @@ def test_rms_linear_is_the_norm_then_the_projection_in_values_and_gradients():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_unweighted", "rms_linear"])
+def test_the_cpu_norms_take_strided_inputs_as_the_depth_loops_hand_them(fn):
+    """MUDDFormer norms views of one (B, T, 4, d) tensor and mHC projects flattened streams: the hand-written
+    backward must give autograd's values and gradients for inputs that are not contiguous, in fp32 as trained."""
+    from satlab.models.layers import rms_linear, rms_norm
+
+    torch.manual_seed(0)
+    base = torch.randn(3, 5, 4, 24, requires_grad=True)
+    weight = torch.randn(24, requires_grad=True) if fn == "rms_norm" else \
+        torch.randn(7, 24, requires_grad=True) if fn == "rms_linear" else None
+    params = [base] + ([weight] if weight is not None else [])
+
+    def ours(x):
+        return rms_linear(x, weight, 1e-5) if fn == "rms_linear" else rms_norm(x, weight, 1e-5)
+
+    def plain(x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return y @ weight.t() if fn == "rms_linear" else y if weight is None else y * weight
+
+    x = base[:, :, 1]  # (3, 5, 24) with a row stride of 4·24
+    assert not x.is_contiguous()
+    got, want = ours(x), plain(x)
+    torch.testing.assert_close(got, want)
+    probe = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * probe).sum(), params),
+                    torch.autograd.grad((want * probe).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["hyperconnections", "mhc"])
 def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(arch):
     losses, grads = [], []

@@ -41,6 +41,16 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _RMSNormCPU.apply(x, weight, eps)
 
 
+def _rstd(x: Tensor, eps: float) -> Tensor:
+    """1 / RMS(x) over the last dimension, (..., 1)."""
+    return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
+
+
+def _add_rstd_grad(dx: Tensor, x: Tensor, rstd: Tensor, drstd: Tensor) -> Tensor:
+    """dx += drstd·∂rstd/∂x in place, with ∂rstd/∂x = -rstd³·x/d: the one pass over x the norm's gradient needs."""
+    return dx.addcmul_(x, drstd * rstd.pow(3), value=-1.0 / x.shape[-1])
+
+
 class _RMSNormCPU(torch.autograd.Function):
     """RMSNorm in fp32 on a CPU with its backward written out. There F.rms_norm is composite, and autograd through
     a composite form makes more passes over x than the gradient needs: forward and backward at (8, 256, 128) take
@@ -49,7 +59,7 @@ class _RMSNormCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-        rstd = torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
+        rstd = _rstd(x, eps)
         out = x * rstd
         if weight is not None:
             out.mul_(weight)
@@ -63,8 +73,7 @@ class _RMSNormCPU(torch.autograd.Function):
         d = x.shape[-1]
         g = grad if weight is None else grad * weight
         dot = torch.linalg.vecdot(g, x).unsqueeze(-1)
-        dx = g * rstd if weight is None else g.mul_(rstd)
-        dx.addcmul_(x, dot * rstd.pow(3), value=-1.0 / d)  # ∂rstd/∂x = -rstd³·x/d
+        dx = _add_rstd_grad(g * rstd if weight is None else g.mul_(rstd), x, rstd, dot)
         d_weight = None
         if weight is not None and ctx.needs_input_grad[1]:
             d_weight = torch.linalg.vecdot(grad.reshape(-1, d), (x * rstd).reshape(-1, d), dim=0)
@@ -73,17 +82,15 @@ class _RMSNormCPU(torch.autograd.Function):
 
 def rms_parts(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """rstd (..., 1) and U = x Wᵀ (..., k): RMSNorm(x) Wᵀ = U·rstd without the normalised copy of x."""
-    rstd = torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
-    return rstd, F.linear(x, weight)
+    return _rstd(x, eps), F.linear(x, weight)
 
 
 def rms_parts_backward(x: Tensor, weight: Tensor, rstd: Tensor, u: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """The gradients of x and W from that of U·rstd: two matmuls and one pass over x for ∂rstd/∂x = -rstd³·x/d."""
+    """The gradients of x and W from that of U·rstd: two matmuls and one pass over x for ∂rstd/∂x."""
     du = grad * rstd
     drstd = (grad * u).sum(-1, keepdim=True)
     d_weight = torch.mm(du.reshape(-1, du.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-    dx = torch.matmul(du, weight).addcmul_(x, drstd * rstd.pow(3), value=-1.0 / x.shape[-1])
-    return dx, d_weight
+    return _add_rstd_grad(torch.matmul(du, weight), x, rstd, drstd), d_weight
 
 
 class _RMSLinear(torch.autograd.Function):
