@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,7 +35,13 @@ def test_the_bench_goes_on_until_the_interval_is_narrow_enough_or_says_it_is_not
     ratio = report["results"][1]["ratio"]
     assert ratio["rounds"] == 4 and ratio["low"] <= ratio["mean"] <= ratio["high"]
     assert report["results"][0]["ratio"] is None and report["ci"]["reached"] is False
-    assert "not the ± 1e-07 % asked for" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "not the ± 1e-07 % asked for" in printed
+    host = report["host"]  # what the machine was, measured before and after the rounds
+    assert f"{host['threads']} threads" in printed and host["device"] in printed
+    assert len(host["memory_gbps"]) == 2 and min(host["memory_gbps"]) > 0 and host["matmul_gflops"] > 0
+    if Path("/proc/cpuinfo").exists():  # Linux: the CPU's name and model number, and its caches
+        assert re.search(r"\(family \d+, model \d+\)", host["device"]) and "L2" in host["caches"]
     assert main([*args, "--rounds", "3", "--ci-target", "0"]) == 0  # off: exactly the rounds asked for
     assert json.loads(out.read_text())["results"][1]["ratio"]["rounds"] == 3
     assert main([*args, "--ci-target", "-1"]) == 2
@@ -79,6 +87,24 @@ def test_the_depth_sweep_writes_its_ratios_by_depth_a_plot_and_an_mlflow_run(tmp
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "bench/denseformer/ratio_mean")]
     assert sorted(steps) == [1, 2]
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"bench.json", "bench_depth.png"}
+    assert run.data.params["host"] == report["host"]["device"]
+    assert run.data.metrics["bench/host/memory_gbps_after"] > 0
+
+
+@pytest.mark.parametrize(("device", "gpus", "message"), [
+    ("tpu", 0, "--device takes auto, cpu, cuda or cuda:N, got 'tpu'"),
+    ("cuda:x", 2, "--device takes auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    ("cuda", 0, "sees no CUDA GPU here; use auto or cpu"),
+    ("cuda:7", 2, "--device cuda:7: torch sees 2 CUDA GPU(s), cuda:0 to cuda:1"),
+])
+def test_a_device_that_is_not_there_is_refused_with_what_is_valid(device, gpus, message, tmp_path, capsys,
+                                                                  monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert main(["bench", "--device", device, "--no-mlflow", "--out", str(tmp_path / "b.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
 
 
 @pytest.mark.parametrize("depths", ["6,x", "0,12", ","])

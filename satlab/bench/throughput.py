@@ -163,6 +163,13 @@ def _cpu_step_memory(runner: _Runner) -> int:
     return int(tracker.get_tracker_snapshot("peak")[runner.device]["Total"])
 
 
+def bench_device(device: str) -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; otherwise the device named."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len: int = 256, rounds: int = 10,
               warmup: int = 3, device: str = "auto", precision: str = "32-true", compile: bool = False,
               seed: int = 0, overrides: dict | None = None, ci_target: float | None = None,
@@ -171,8 +178,7 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
     Transformer if present, else the first) and then each other architecture, in pairs; after ``rounds`` rounds it
     goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``."""
     keep_freed_memory()
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = bench_device(device)
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     runners = [_Runner(a, size, batch, seq_len, dev, dtype, compile, seed, overrides or {}) for a in archs]
     for runner in runners:  # warm-up (and compilation) of each model, timed apart

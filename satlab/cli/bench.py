@@ -23,19 +23,23 @@ def run(args: argparse.Namespace) -> int:
         if value < least:
             problems.append(f"{name} must be >= {least}, got {value}")
     depths = parse_depths(args.depths, problems)
+    check_device(args.device, problems)
     if problems:
         raise ConfigError(problems)
     if args.recall:
         return run_recall(args)
     args.batch, args.seq_len = args.batch or 8, args.seq_len or 256
     from satlab.bench.depth import depth_sweep
+    from satlab.bench.host import describe_host, host_line, remeasure
+    from satlab.bench.throughput import bench_device
 
+    host = describe_host(bench_device(args.device))
     bench_args = dict(size=args.size, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
                       device=args.device, precision=args.precision, compile=args.compile,
                       ci_target=args.ci_target or None, max_rounds=max(args.max_rounds, args.rounds))
     sweep = depth_sweep(archs, depths or [SIZE_PRESETS[args.size]["n_layers"]], **bench_args)
     widest = max((r.ratio.half_width for rs in sweep.values() for r in rs if r.ratio is not None), default=0.0)
-    report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "host": remeasure(host),
               "ci": {"target": args.ci_target, "widest_half_width": widest,
                      "reached": not args.ci_target or widest <= args.ci_target}}
     out = Path(args.out)
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(results_table(sweep[next(iter(sweep))], report.get("lightning_overhead"), args))
     elif "lightning_overhead" in report:
         console.print(overhead_line(report["lightning_overhead"]))
+    print(host_line(host))
     if args.ci_target and widest > args.ci_target:
         print(f"the widest ratio interval is ± {100 * widest:.1f} %, not the ± {100 * args.ci_target:g} % asked for, "
               f"after {args.max_rounds} rounds (--max-rounds); a busy machine widens it, more rounds narrow it")
@@ -136,6 +141,23 @@ def parse_depths(text: str | None, problems: list[str]) -> list[int]:
     return sorted(set(depths))
 
 
+def check_device(text: str, problems: list[str]) -> None:
+    """``--device`` is auto, cpu, cuda or cuda:N of a GPU that torch sees; anything else goes to ``problems``."""
+    if text in ("auto", "cpu"):
+        return
+    kind, _, index = text.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        problems.append(f"--device takes auto, cpu, cuda or cuda:N, got {text!r}")
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        problems.append(f"--device {text}: torch {torch.__version__} sees no CUDA GPU here; use auto or cpu")
+    elif index and int(index) >= count:
+        problems.append(f"--device {text}: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+
+
 def depth_table(sweep: dict, overheads: dict, args) -> Table:
     depths = sorted(sweep)
     reference = next(r.arch for r in sweep[depths[0]] if r.ratio is None)
@@ -186,6 +208,12 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
                         "compile_seconds", "flops_per_token", "params"):
                 if r[key] is not None:
                     client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]), step=step)
+    host = report["host"]
+    client.log_param(run.info.run_id, "host", host["device"])
+    for when, gbps in zip(("before", "after"), host.get("memory_gbps", ()), strict=False):
+        client.log_metric(run.info.run_id, f"bench/host/memory_gbps_{when}", gbps)
+    if "matmul_gflops" in host:
+        client.log_metric(run.info.run_id, "bench/host/matmul_gflops", host["matmul_gflops"])
     for key, value in (report.get("lightning_overhead") or {}).items():
         client.log_metric(run.info.run_id, f"bench/lightning_overhead/{key}", float(value))
     client.log_artifact(run.info.run_id, str(json_path))

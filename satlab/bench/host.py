@@ -1,0 +1,84 @@
+"""The machine a bench ran on, measured next to its ratios.
+
+At small widths the architectures that add passes over the hidden states (dense depth loops, gates, extra norms)
+are bound by memory bandwidth, and a shared host's bandwidth changes from run to run with its neighbours (the README
+gives a case). The bench therefore records what the host was (CPU, caches, threads, fp32 matmul rate, memory copy
+bandwidth before and after the rounds), so two bench files can be told apart by their machines, not only their code.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from satlab.training.perf import measure_cpu_matmul_peak
+
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def measure_memory_bandwidth(megabytes: int = 256, seconds: float = 0.3) -> float:
+    """Bytes per second read plus written by copying a tensor larger than a core's caches, with torch's threads."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        target.copy_(source)
+        count += 1
+    return 2 * source.nbytes * count / (time.perf_counter() - start)
+
+
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (with its model number: one name covers several generations)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for key, _, value in (line.partition(":") for line in lines if ":" in line):
+        fields.setdefault(key.strip(), value.strip())  # the first core's
+    name = " ".join(fields.get("model name", platform.machine()).split())
+    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
+def cpu_caches() -> dict[str, str]:
+    """Data and unified cache sizes of core 0 by level, e.g. {"L2": "2048K", "L3": "266240K"} (empty off Linux)."""
+    caches = {}
+    for index in sorted(_CACHES.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() != "Instruction":
+                caches[f"L{(index / 'level').read_text().strip()}"] = (index / "size").read_text().strip()
+        except OSError:
+            continue
+    return caches
+
+
+def describe_host(device: torch.device) -> dict:
+    """What the bench's device was: on a GPU its name and memory, on a CPU its model, caches, threads, measured
+    fp32 matmul rate and memory bandwidth (``memory_gbps``: a list, one entry per :func:`remeasure`)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": props.name, "memory_gb": props.total_memory / 1e9, "torch": torch.__version__}
+    return {"device": cpu_model(), "caches": cpu_caches(), "threads": torch.get_num_threads(),
+            "matmul_gflops": measure_cpu_matmul_peak() / 1e9, "memory_gbps": [measure_memory_bandwidth() / 1e9],
+            "torch": torch.__version__}
+
+
+def remeasure(host: dict) -> dict:
+    """Add a second bandwidth measurement (after the rounds) to a CPU host's description."""
+    if "memory_gbps" in host:
+        host["memory_gbps"].append(measure_memory_bandwidth() / 1e9)
+    return host
+
+
+def host_line(host: dict) -> str:
+    """One line for the bench's printout."""
+    if "memory_gbps" not in host:
+        return f"host: {host['device']}, {host['memory_gb']:.0f} GB, torch {host['torch']}"
+    caches = ", ".join(f"{level} {size}" for level, size in host["caches"].items() if level != "L1")
+    bandwidth = " -> ".join(f"{gbps:.1f}" for gbps in host["memory_gbps"])
+    return (f"host: {host['device']}, {host['threads']} threads{', ' + caches if caches else ''}; fp32 matmul "
+            f"{host['matmul_gflops']:.0f} GFLOP/s, memory copy {bandwidth} GB/s (before -> after the rounds)")
