@@ -47,6 +47,16 @@ def test_the_bench_goes_on_until_the_interval_is_narrow_enough_or_says_it_is_not
     assert main([*args, "--ci-target", "-1"]) == 2
 
 
+def test_the_lightning_overhead_is_a_paired_ratio_that_goes_on_until_its_interval_is_narrow_enough():
+    from satlab.bench.overhead import lightning_overhead
+
+    small = dict(size="tiny", batch=2, seq_len=16, steps=3, warmup=1, rounds=2)
+    narrow = lightning_overhead(**small, ci_target=1e-9, max_rounds=3)  # a target no machine reaches: up to the cap
+    assert narrow["rounds"] == 3 and narrow["low"] <= narrow["ratio"] <= narrow["high"]
+    assert narrow["half_width"] > 1e-9 and narrow["bare_step_s"] > 0 and narrow["lightning_step_s"] > 0
+    assert lightning_overhead(**small)["rounds"] == 2  # no target: exactly the rounds asked for
+
+
 def _result(arch: str, step: float, reference_step: float, mem: float, depth_rounds: int = 3):
     from satlab.bench.throughput import BenchResult
 

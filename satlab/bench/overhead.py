@@ -39,18 +39,21 @@ class _StepTimer(L.Callback):
 
 
 def lightning_overhead(arch: str = "satformer", size: str = "tiny", batch: int = 8, seq_len: int = 256,
-                       steps: int = 6, warmup: int = 2, rounds: int = 5, seed: int = 0) -> dict[str, float]:
-    """Median step seconds of both loops on the CPU, and their paired ratio (Lightning / bare) with its 95 % CI."""
+                       steps: int = 6, warmup: int = 2, rounds: int = 5, seed: int = 0, ci_target: float | None = None,
+                       max_rounds: int | None = None) -> dict[str, float]:
+    """Median step seconds of both loops on the CPU, and their paired ratio (Lightning / bare) with its 95 % CI;
+    after ``rounds`` rounds it goes on while the interval is wider than ± ``ci_target``, up to ``max_rounds``."""
     keep_freed_memory()
     cfg = load_experiment("default", [f"model.arch={arch}", f"model.size={size}", f"data.seq_len={seq_len}",
                                       f"train.micro_batch_size={batch}", f"train.global_batch_tokens={batch * seq_len}",
-                                      f"train.max_tokens={batch * seq_len * rounds * steps}"])
+                                      f"train.max_tokens={batch * seq_len * steps * max(rounds, max_rounds or 0)}"])
     tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
     loader = DataLoader([(tokens[:, :-1], tokens[:, 1:])] * steps, batch_size=None)
     torch.manual_seed(seed)
     module = LMModule(cfg, derive_schedule(cfg))
     ratio, bare_medians, lightning_medians = PairedRatio("bare", []), [], []
-    for _ in range(rounds):
+    while len(ratio.ratios) < rounds or (ci_target is not None and len(ratio.ratios) < (max_rounds or rounds)
+                                         and ratio.half_width > ci_target):
         bare = statistics.median(_bare_steps(module, loader, cfg.optim.grad_clip)[warmup:])
         timer = _StepTimer()
         trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -65,7 +68,8 @@ def lightning_overhead(arch: str = "satformer", size: str = "tiny", batch: int =
         lightning_medians.append(lightning)
         ratio.ratios.append(lightning / bare)
     return {"bare_step_s": statistics.median(bare_medians), "lightning_step_s": statistics.median(lightning_medians),
-            "ratio": ratio.mean, "low": ratio.low, "high": ratio.high, "rounds": rounds}
+            "ratio": ratio.mean, "low": ratio.low, "high": ratio.high, "half_width": ratio.half_width,
+            "rounds": len(ratio.ratios)}
 
 
 def _bare_steps(module: LMModule, loader: DataLoader, grad_clip: float) -> list[float]:
