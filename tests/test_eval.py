@@ -242,3 +242,17 @@ def test_cli_reports_logs_into_the_checkpoint_run_and_rejects_bad_input(cache, t
     assert main(["eval", f"ckpt={run_dir}", "limt=3"]) == 2
     err = capsys.readouterr().err
     assert "no checkpoint at" in err and "did you mean 'satlab_phonebook'" in err and "did you mean 'limit'" in err
+
+
+@pytest.mark.parametrize(("device", "gpus", "message"), [
+    ("tpu", 0, "device takes cpu, cuda or cuda:N, got 'tpu'"),
+    ("auto", 0, "device takes cpu, cuda or cuda:N, got 'auto'"),
+    ("cuda", 0, "device cuda: torch " + torch.__version__ + " sees no CUDA GPU here; use cpu"),
+    ("cuda:3", 1, "device cuda:3: torch sees 1 CUDA GPU(s), cuda:0 to cuda:0"),
+])
+def test_eval_refuses_a_device_that_is_not_there_before_loading_anything(device, gpus, message, tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert main(["eval", f"ckpt={tmp_path / 'missing'}", f"device={device}", "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no checkpoint at" not in err  # the device is checked first

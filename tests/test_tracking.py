@@ -58,3 +58,42 @@ def test_two_tiny_runs_share_one_experiment_with_arch_tags_and_are_running_while
         assert run.data.tags["mlflow.note.content"] == load_experiment(f"tiny/{arch}").description
     log = (tmp_path / "runs" / "tiny-satformer" / "train.log").read_text()
     assert "GPU available" in log  # Lightning's notices went to the run's log file
+
+
+_X86 = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R)   Processor
+cache size\t: 266240 KB
+
+processor\t: 1
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+"""
+_ARM = """processor\t: 0
+BogoMIPS\t: 50.00
+CPU implementer\t: 0x41
+CPU part\t: 0xd0c
+"""
+
+
+def test_a_run_is_tagged_with_the_cpus_name_and_model_number_wherever_proc_cpuinfo_says_them(tmp_path, monkeypatch):
+    import platform
+
+    import torch
+
+    from satlab.training import machine
+    from satlab.training.tracking import provenance_tags
+
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(machine, "_CPUINFO", cpuinfo)
+    cpuinfo.write_text(_X86)
+    assert machine.cpu_model() == "Intel(R) Xeon(R) Processor (family 6, model 207)"  # the first core's, tabs gone
+    if not torch.cuda.is_available():  # the tag on every run: the CPU, not platform.processor()'s empty string
+        assert provenance_tags("satformer", "default")["device"] == "Intel(R) Xeon(R) Processor (family 6, model 207)"
+    cpuinfo.write_text(_ARM)  # no model name nor family: the machine's architecture, no empty brackets
+    assert machine.cpu_model() == (platform.processor() or platform.machine())
+    cpuinfo.unlink()
+    assert machine.cpu_model() == (platform.processor() or platform.machine())

@@ -8,15 +8,12 @@ bandwidth before and after the rounds), so two bench files can be told apart by 
 
 from __future__ import annotations
 
-import platform
 import time
-from pathlib import Path
 
 import torch
 
+from satlab.training.machine import cpu_caches, cpu_model
 from satlab.training.perf import measure_cpu_matmul_peak
-
-_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def measure_memory_bandwidth(megabytes: int = 256, seconds: float = 0.3) -> float:
@@ -29,31 +26,6 @@ def measure_memory_bandwidth(megabytes: int = 256, seconds: float = 0.3) -> floa
         target.copy_(source)
         count += 1
     return 2 * source.nbytes * count / (time.perf_counter() - start)
-
-
-def cpu_model() -> str:
-    """The CPU's name as /proc/cpuinfo gives it (with its model number: one name covers several generations)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {}
-    for key, _, value in (line.partition(":") for line in lines if ":" in line):
-        fields.setdefault(key.strip(), value.strip())  # the first core's
-    name = " ".join(fields.get("model name", platform.machine()).split())
-    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
-
-
-def cpu_caches() -> dict[str, str]:
-    """Data and unified cache sizes of core 0 by level, e.g. {"L2": "2048K", "L3": "266240K"} (empty off Linux)."""
-    caches = {}
-    for index in sorted(_CACHES.glob("index*")):
-        try:
-            if (index / "type").read_text().strip() != "Instruction":
-                caches[f"L{(index / 'level').read_text().strip()}"] = (index / "size").read_text().strip()
-        except OSError:
-            continue
-    return caches
 
 
 def describe_host(device: torch.device) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from satlab.cli.devices import device_problem
 from satlab.config.errors import ConfigError, unknown_name
 from satlab.console import console as make_console
 from satlab.models import ARCHITECTURES, SIZE_PRESETS
@@ -23,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
         if value < least:
             problems.append(f"{name} must be >= {least}, got {value}")
     depths = parse_depths(args.depths, problems)
-    check_device(args.device, problems)
+    if problem := device_problem(args.device, "--device"):
+        problems.append(problem)
     if problems:
         raise ConfigError(problems)
     if args.recall:
@@ -144,23 +146,6 @@ def parse_depths(text: str | None, problems: list[str]) -> list[int]:
     return sorted(set(depths))
 
 
-def check_device(text: str, problems: list[str]) -> None:
-    """``--device`` is auto, cpu, cuda or cuda:N of a GPU that torch sees; anything else goes to ``problems``."""
-    if text in ("auto", "cpu"):
-        return
-    kind, _, index = text.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        problems.append(f"--device takes auto, cpu, cuda or cuda:N, got {text!r}")
-        return
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        problems.append(f"--device {text}: torch {torch.__version__} sees no CUDA GPU here; use auto or cpu")
-    elif index and int(index) >= count:
-        problems.append(f"--device {text}: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
-
-
 def depth_table(sweep: dict, overheads: dict, args) -> Table:
     depths = sorted(sweep)
     reference = next(r.arch for r in sweep[depths[0]] if r.ratio is None)
@@ -211,8 +196,7 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
                         "compile_seconds", "flops_per_token", "params"):
                 if r[key] is not None:
                     client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]), step=step)
-    host = report["host"]
-    client.log_param(run.info.run_id, "host", host["device"])
+    host = report["host"]  # its device is the run's provenance tag "device"
     for when, gbps in zip(("before", "after"), host.get("memory_gbps", ()), strict=False):
         client.log_metric(run.info.run_id, f"bench/host/memory_gbps_{when}", gbps)
     if "matmul_gflops" in host:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from satlab.cli.devices import device_problem
 from satlab.cli.eval_args import parse_settings
 from satlab.config.errors import ConfigError
 from satlab.evaluation.tasks import chance_level, split_task_names
@@ -26,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     numbers = {key: _positive_int(key, settings[key]) for key in ("limit", "batch_size", "threads") if key in settings}
     seed = _positive_int("seed", settings.get("seed", "0"), minimum=0)
     device = settings.get("device", "cpu")
+    if problem := device_problem(device, "device", words=("cpu",)):
+        raise ConfigError(problem)
 
     import datasets
     import torch
@@ -33,8 +36,6 @@ def run(args: argparse.Namespace) -> int:
     from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
     from satlab.training.checkpoint import load_checkpoint
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device} asks for a GPU but torch sees none here; use device=cpu.")
     datasets.disable_progress_bars()
     if "threads" in numbers:
         torch.set_num_threads(numbers["threads"])

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import satlab
 from satlab.config.errors import ConfigError
+from satlab.training.machine import cpu_model
 
 if TYPE_CHECKING:
     import mlflow
@@ -119,7 +120,7 @@ def provenance_tags(arch: str, preset: str) -> dict[str, str]:
     import torch
 
     rev, dirty = git_revision()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_model()
     return {
         "arch": arch,
         "preset": preset,
