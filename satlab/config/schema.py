@@ -176,7 +176,7 @@ class TrainConfig:
     num_nodes: int = 1
     strategy: str = "auto"
     data_parallel_size: int | None = None  # model_parallel: size of the FSDP2 data-parallel mesh (None: all devices)
-    activation_checkpointing: bool = False  # fsdp / model_parallel: recompute each block in the backward pass
+    activation_checkpointing: bool = False  # every strategy: each block or sublayer call is recomputed in backward
     deterministic: bool = False
     val_every_tokens: int = 250_000
     val_tokens: int = 65_536

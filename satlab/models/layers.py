@@ -173,7 +173,7 @@ class AttentionOutput(NamedTuple):
 class Attention(nn.Module):
     """Causal self-attention: bias-free q/k/v/o, QK-norm before RoPE, GQA, SDPA, KV cache.
 
-    Layer 0 records its raw value projection as V_1. A layer with a ``value_path`` forms
+    The first layer to attend (``v1`` is None: layer 0) records its raw value projection as V_1. A layer with a ``value_path`` forms
     ``V'_n = value_path(V_n, V_1, h_n, v1_weight, tokens)`` before attending; V'_n is what goes into the KV cache.
     """
 
@@ -206,8 +206,8 @@ class Attention(nn.Module):
         k = self.k_proj(hk).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(hv).view(B, T, self.n_kv_heads, self.head_dim)
         gate = None
-        if self.layer_idx == 0:
-            v1 = v
+        if v1 is None:  # layer 0, the first to attend: its values are V_1. The role comes in as data (None or a
+            v1 = v      # tensor), not from layer_idx: dynamo specialises on module ints, one graph per layer
         if self.value_path is not None:
             v, gate = self.value_path(v, v1, hq, v1_weight, tokens)
         cos, sin = rope
@@ -232,8 +232,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block. ``attend`` and ``feedforward`` are the two sublayers without their residual add, so a depth
-    loop that is not a plain residual (hyper-connections, MUDD) can wire them its own way.
+    """Pre-norm block. Its forward runs one of three ``part``s: the whole block (``"block"``: returns (output, V_1,
+    gate)), or one of its two sublayers without the residual add (``"attend"``: an :class:`AttentionOutput`;
+    ``"feedforward"``: the MLP's output), so a depth loop that is not a plain residual (hyper-connections, MUDD) can
+    wire them its own way. The sublayers are reached through the module's call, never as methods, so that whatever
+    wraps ``forward`` (FSDP's unsharding, activation checkpointing, torch.compile) applies to them too.
 
     ``separate_kv_norms`` gives the key and value inputs their own RMSNorm (MUDDFormer feeds q, k and v from
     different aggregates); otherwise one norm feeds all three. ``mlp_hidden=0`` leaves the MLP sublayer out
@@ -243,7 +246,7 @@ class Block(nn.Module):
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None, mlp_hidden: int,
                  separate_kv_norms: bool = False):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # for reading a model; forward never branches on it (see Attention.forward)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn_norm_k = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
         self.attn_norm_v = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
@@ -251,24 +254,30 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if mlp_hidden > 0 else None
         self.mlp = SwiGLU(cfg.d_model, mlp_hidden) if mlp_hidden > 0 else None
 
-    def attend(self, xq: Tensor, rope, v1, v1_weight=None, cache=None, xk: Tensor | None = None,
-               xv: Tensor | None = None, tokens: Tensor | None = None) -> AttentionOutput:
+    def _attend(self, xq: Tensor, rope, v1, v1_weight, cache, xk: Tensor | None, xv: Tensor | None,
+                tokens: Tensor | None) -> AttentionOutput:
         hq = self.attn_norm(xq)
         hk = hq if xk is None else self.attn_norm_k(xk)
         hv = hq if xv is None else self.attn_norm_v(xv)
         return self.attn(hq, hk, hv, rope, v1, v1_weight, cache, tokens)
 
-    def feedforward(self, x: Tensor) -> Tensor:
+    def _feedforward(self, x: Tensor) -> Tensor:
         if self.mlp is None:
             return torch.zeros_like(x)
         return self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], v1: Tensor | None, v1_weight: Tensor | None = None,
-                cache: LayerKVCache | None = None,
-                tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Returns (block output, V_1, gate)."""
-        attn = self.attend(x, rope, v1, v1_weight, cache, tokens=tokens)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, v1: Tensor | None = None,
+                v1_weight: Tensor | None = None, cache: LayerKVCache | None = None, tokens: Tensor | None = None,
+                xk: Tensor | None = None, xv: Tensor | None = None, part: str = "block"):
+        """``part="block"``: (x + attention, then + MLP; V_1; gate). ``"attend"``: the attention sublayer of x (and
+        of ``xk``, ``xv`` when the keys and values have inputs of their own), norm included. ``"feedforward"``: the
+        MLP sublayer of x, norm included."""
+        if part == "feedforward":
+            return self._feedforward(x)
+        attn = self._attend(x, rope, v1, v1_weight, cache, xk, xv, tokens)
+        if part == "attend":
+            return attn
         x = x + attn.out
         if self.mlp is not None:
-            x = x + self.feedforward(x)
+            x = x + self._feedforward(x)
         return x, attn.v1, attn.gate

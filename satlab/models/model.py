@@ -39,6 +39,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.init_weights()
+        self.register_load_state_dict_pre_hook(_scalars_as_vectors)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -132,6 +133,15 @@ class DecoderLM(nn.Module):
         if self.architecture is not None and self.architecture.mixing_weights is not None:
             return self.architecture.mixing_weights(self)
         return dict(self.stream.mixing_weights())
+
+
+def _scalars_as_vectors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Checkpoints from before the scalar mixing parameters became (1,) tensors (FSDP2 shards no 0-dim
+    parameter) hold them 0-dim: read those as (1,)."""
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".") if prefix else ""):
+        value = state_dict.get(name)
+        if isinstance(value, Tensor) and value.dim() == 0 and param.shape == (1,):
+            state_dict[name] = value.reshape(1)
 
 
 def sample_next(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:

@@ -47,13 +47,13 @@ class DepthContext:
     def attend(self, i: int, xq: Tensor, xk: Tensor | None = None, xv: Tensor | None = None) -> Tensor:
         """Block i's attention sublayer (norm included, residual not added)."""
         weight, cache = self._layer_args(i)
-        out = self.blocks[i].attend(xq, self.rope, self.v1, weight, cache, xk=xk, xv=xv, tokens=self.tokens)
+        out = self.blocks[i](xq, self.rope, self.v1, weight, cache, self.tokens, xk=xk, xv=xv, part="attend")
         self.v1, self.gates[i] = out.v1, out.gate
         return out.out
 
     def feedforward(self, i: int, x: Tensor) -> Tensor:
         """Block i's MLP sublayer (norm included, residual not added)."""
-        return self.blocks[i].feedforward(x)
+        return self.blocks[i](x, part="feedforward")
 
 
 class ResidualStream(nn.Module):

@@ -18,7 +18,7 @@ from satlab.data.mqar import IGNORE_INDEX
 from satlab.models import build_model
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.checkpoint import satlab_entry
-from satlab.training.parallel import compile_blocks, shard_model
+from satlab.training.parallel import checkpoint_blocks, compile_blocks, shard_model
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -61,15 +61,18 @@ class LMModule(L.LightningModule):
         self.reached_stop_acc = False
 
     def configure_model(self) -> None:
-        """Per-block compile, then FSDP2 sharding under the model-parallel strategy (see ``parallel.py``)."""
+        """Per-block compile, activation checkpointing, then FSDP2 sharding under the model-parallel strategy (see
+        ``parallel.py``)."""
         if self._configured:
             return
         self._configured = True
-        if self.cfg.train.compile:
+        train = self.cfg.train
+        if train.activation_checkpointing and train.strategy != "fsdp":  # Lightning's FSDP wraps the blocks itself
+            checkpoint_blocks(self.model)
+        if train.compile:  # after the checkpoint wrappers, so that compile traces the recomputed regions too
             compile_blocks(self.model)
-        if self.cfg.train.strategy == "model_parallel":
-            shard_model(self.model, self.device_mesh["data_parallel"], self.cfg.train.precision,
-                        self.cfg.train.activation_checkpointing)
+        if train.strategy == "model_parallel":
+            shard_model(self.model, self.device_mesh["data_parallel"], train.precision)
 
     def forward(self, idx: torch.Tensor):
         return self.model(idx)

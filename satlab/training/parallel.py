@@ -42,26 +42,45 @@ def make_strategy(cfg: ExperimentConfig):
                                  save_distributed_checkpoint=False)
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo may keep per code object. Every architecture's blocks run the one ``Block.forward``, and each
+architecture gives it a few graphs of its own (whole block or sublayer, layer 0 or later, training or no-grad, its
+value path): at most 6, counted by ``tests/test_compile.py``. Torch's default of 8 is for one model per process; a
+process that compiles several architectures (the bench, the GPU check, a test) needs room for all of them. A
+recompile within one architecture is still an error there (``error_on_recompile``)."""
+
+
 def compile_blocks(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
-    """Compile each block's sublayers in place. Depth loops that rewire sublayers (hyper-connections, MUDD) call
-    ``attend``/``feedforward`` directly, so those are compiled too, not only ``forward``."""
+    """Compile each block in place. Depth loops that rewire sublayers (hyper-connections, MUDD) call them through
+    the block's forward (``part=``), so one compiled forward serves every depth loop."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
-        block.attend = torch.compile(block.attend, backend=backend, fullgraph=fullgraph)
-        block.feedforward = torch.compile(block.feedforward, backend=backend, fullgraph=fullgraph)
 
 
-def shard_model(model: nn.Module, mesh, precision: str, activation_checkpointing: bool) -> None:
-    """FSDP2: shard every block, then the root (embedding, final norm and the variants' own parameters)."""
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Activation checkpointing: each block call (a whole block or one sublayer) keeps only its inputs and is
+    recomputed in backward. The blocks are wrapped where they are called (the depth loops call every sublayer
+    through the block's forward), so it applies to every architecture, under any strategy but Lightning's FSDP,
+    which wraps them itself."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+
+
+def shard_model(model: nn.Module, mesh, precision: str) -> None:
+    """FSDP2: shard every block, then the root (embedding, final norm and the variants' own parameters).
+
+    With bf16 the parameters are gathered and computed in bf16 and gradients reduced in fp32; the sharded
+    parameters and AdamW's states stay fp32. That differs from DDP with bf16 autocast, where the fp32 parameters are
+    cast per op and matmuls run in bf16 but norms, softmax and the mixing functions that disable autocast (depth
+    sums, hyper-connection streams) run in fp32: under FSDP2 those see bf16 parameters (cast back to fp32 where
+    they compute in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
     if precision.startswith("bf16"):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -55,8 +55,8 @@ class HyperConnection(nn.Module):
         self.static_m = nn.Parameter(torch.empty(n))
         self.static_r = nn.Parameter(torch.empty(n, n))
         self.static_beta = nn.Parameter(torch.empty(n))
-        self.s_alpha = nn.Parameter(torch.empty(()))
-        self.s_beta = nn.Parameter(torch.empty(()))
+        self.s_alpha = nn.Parameter(torch.empty(1))  # (1,), not 0-dim: FSDP2's fully_shard refuses scalars
+        self.s_beta = nn.Parameter(torch.empty(1))
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -78,7 +78,7 @@ class HyperConnection(nn.Module):
         n, dtype = self.n, H.dtype
         weight = torch.cat([self.w_m.weight, self.w_r.weight, self.w_beta.weight]) * self.norm.weight
         static = torch.cat([self.static_m.unsqueeze(-1), self.static_r, self.static_beta.unsqueeze(-1)], dim=-1)
-        scale = torch.cat([self.s_alpha.expand(n + 1), self.s_beta.unsqueeze(0)])
+        scale = torch.cat([self.s_alpha.expand(n + 1), self.s_beta])
         h, coeffs = _Read.apply(H, weight.to(dtype), static.to(dtype), scale.to(dtype), self.norm.eps, recompute)
         return h, coeffs[..., 1:n + 1], coeffs[..., n + 1]
 

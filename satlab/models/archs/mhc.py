@@ -141,7 +141,7 @@ class ManifoldHead(nn.Module):
         self.n, self.eps = n, eps
         self.phi = nn.Linear(n * d_model, n, bias=False)
         self.b = nn.Parameter(torch.empty(n))
-        self.alpha = nn.Parameter(torch.empty(()))
+        self.alpha = nn.Parameter(torch.empty(1))  # (1,): FSDP2 refuses 0-dim parameters
         self.init_weights()
 
     def init_weights(self) -> None:

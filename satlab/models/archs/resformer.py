@@ -29,7 +29,7 @@ class ResFormerLambdas(nn.Module):
         super().__init__()
         self.n_layers = n_layers
         self.logits = nn.Parameter(torch.zeros(max(n_layers - 1, 1)))
-        self.scale = nn.Parameter(torch.tensor(float(n_layers)))
+        self.scale = nn.Parameter(torch.tensor([float(n_layers)]))  # (1,): FSDP2 refuses 0-dim parameters
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.logits)
@@ -48,7 +48,7 @@ class ResFormerValue(nn.Module):
     def __init__(self, fixed: bool):
         super().__init__()
         self.fixed = fixed
-        self.lambda2 = None if fixed else nn.Parameter(torch.tensor(0.5))
+        self.lambda2 = None if fixed else nn.Parameter(torch.tensor([0.5]))  # (1,), as above
 
     def init_weights(self) -> None:
         if self.lambda2 is not None:
@@ -69,7 +69,7 @@ def mixing_weights(model: Any) -> dict[str, MixingWeight]:
             lambda1 = lambda2 = torch.full((layers,), 0.5)
         else:
             lambda1 = model.value_shared().detach().float().cpu()
-            lambda2 = torch.stack([b.attn.value_path.lambda2.detach().float().cpu() for b in model.blocks[1:]])
+            lambda2 = torch.cat([b.attn.value_path.lambda2.detach().float().cpu() for b in model.blocks[1:]])
     return {"resformer/lambda1": MixingWeight(lambda1, v1_coefficient=True), "resformer/lambda2": MixingWeight(lambda2)}
 
 
