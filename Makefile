@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup train test test-full lint archs bench gpu-check ui sweep dashboard clean
+.PHONY: help setup train test test-full lint archs bench gpu-check wheelhouse ui sweep dashboard clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -82,8 +82,14 @@ reproduce: $(STAMP) ## the paper's architecture comparison + report: arch_tiny, 
 bench: $(STAMP) ## paired throughput/memory/MFU of all architectures (SIZE=tiny, DEPTHS=6,12,24, ARGS="--compile ...")
 	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(if $(DEPTHS),--depths $(DEPTHS)) $(ARGS)
 
-gpu-check: $(STAMP) ## on a CUDA machine: compile + bf16 steps of every arch, bench at small, FSDP if >1 GPU (<8 min)
-	bash scripts/gpu_check.sh
+# The GPU machine has no network: there the check installs satlab from the wheelhouse (.whl/) instead of make setup.
+GPU_CHECK_VENV := $(if $(and $(wildcard .whl/*.whl),$(if $(wildcard $(VENV)/bin/satlab),,1)),,$(STAMP))
+
+gpu-check: $(GPU_CHECK_VENV) ## bench+train+resume+DDP/FSDP2 of every arch, compiled, bf16 (DEVICE=cpu: tiny, ~2.5 min; OUT=...)
+	$(if $(DEVICE),DEVICE=$(DEVICE)) $(if $(OUT),OUT=$(OUT)) bash scripts/gpu_check.sh
+
+wheelhouse: $(STAMP) ## .whl/: CPython 3.12 wheels of satlab and what the GPU image lacks (~25 MiB; docs/gpu-check.md)
+	$(PY) scripts/wheelhouse.py --dest .whl
 
 clean: ## remove caches (keeps .venv, runs and mlruns)
 	rm -rf .pytest_cache .ruff_cache .cache

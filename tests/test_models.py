@@ -21,7 +21,6 @@ from satlab.models import (
 )
 from satlab.models.archs.satformer import GATE_GRANULARITIES
 from satlab.models.config import PAPER_PARAM_COUNTS
-from satlab.models.depth_buffer import DepthBuffer
 
 SMALL = dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=97, max_seq_len=64)
 
@@ -137,66 +136,6 @@ def test_architectures_start_exactly_as_the_transformer_with_its_weights(arch):
     assert_same_logits(model, reference)
 
 
-@pytest.mark.parametrize("affine", [True, False])
-def test_rmsnorm_has_the_values_and_gradients_of_torchs(affine):
-    from satlab.models.layers import RMSNorm
-
-    norm = RMSNorm(24, eps=1e-5, elementwise_affine=affine)
-    if affine:
-        torch.nn.init.normal_(norm.weight)
-    x = torch.randn(3, 7, 24, requires_grad=True)
-    weights = torch.randn(3, 7, 24)
-    ours = norm(x)
-    torchs = torch.nn.functional.rms_norm(x, (24,), norm.weight, 1e-5)
-    torch.testing.assert_close(ours, torchs)
-    params = [x, norm.weight] if affine else [x]
-    for a, b in zip(torch.autograd.grad((ours * weights).sum(), params),
-                    torch.autograd.grad((torchs * weights).sum(), params), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_rms_linear_is_the_norm_then_the_projection_in_values_and_gradients():
-    from satlab.models.layers import rms_linear
-
-    x = torch.randn(3, 7, 24, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
-    outputs = [rms_linear(x, weight, 1e-5), torch.nn.functional.rms_norm(x, (24,), eps=1e-5) @ weight.t()]
-    torch.testing.assert_close(*outputs)
-    probe = torch.randn(3, 7, 5, dtype=torch.float64)
-    got, want = (torch.autograd.grad((out * probe).sum(), [x, weight]) for out in outputs)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
-
-
-@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_unweighted", "rms_linear"])
-def test_the_cpu_norms_take_strided_inputs_as_the_depth_loops_hand_them(fn):
-    """MUDDFormer norms views of one (B, T, 4, d) tensor and mHC projects flattened streams: the hand-written
-    backward must give autograd's values and gradients for inputs that are not contiguous, in fp32 as trained."""
-    from satlab.models.layers import rms_linear, rms_norm
-
-    torch.manual_seed(0)
-    base = torch.randn(3, 5, 4, 24, requires_grad=True)
-    weight = torch.randn(24, requires_grad=True) if fn == "rms_norm" else \
-        torch.randn(7, 24, requires_grad=True) if fn == "rms_linear" else None
-    params = [base] + ([weight] if weight is not None else [])
-
-    def ours(x):
-        return rms_linear(x, weight, 1e-5) if fn == "rms_linear" else rms_norm(x, weight, 1e-5)
-
-    def plain(x):
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return y @ weight.t() if fn == "rms_linear" else y if weight is None else y * weight
-
-    x = base[:, :, 1]  # (3, 5, 24) with a row stride of 4·24
-    assert not x.is_contiguous()
-    got, want = ours(x), plain(x)
-    torch.testing.assert_close(got, want)
-    probe = torch.randn_like(want)
-    for a, b in zip(torch.autograd.grad((got * probe).sum(), params),
-                    torch.autograd.grad((want * probe).sum(), params), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("arch", ["hyperconnections", "mhc"])
 def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(arch):
     losses, grads = [], []
@@ -216,90 +155,6 @@ def test_recomputed_stream_mixing_has_the_loss_and_gradients_of_the_stored_one(a
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
     assert any(g.abs().sum() > 0 for name, g in grads[0].items() if "connections" in name)
-
-
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "stored"])
-def test_hyperconnection_mixing_is_the_spec_formula_in_values_and_gradients(recompute):
-    """The fused read and write (RMSNorm(H) never materialised, backward written out) give the spec's h = A_mᵀH and
-    H' = A_rᵀH + β ⊗ o, with the gradients autograd finds through the plain formula, for H, o and every parameter."""
-    from satlab.models.archs.hyperconnections import HyperConnection
-
-    torch.manual_seed(0)
-    hc = HyperConnection(d_model=16, n=3, k=1, eps=1e-6).double()
-    with torch.no_grad():
-        for param in hc.parameters():
-            param.add_(0.3 * torch.randn_like(param))
-    H = torch.randn(10, 3, 16, dtype=torch.float64, requires_grad=True)
-    o = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
-
-    def spec():
-        Hbar = torch.nn.functional.rms_norm(H, (16,), hc.norm.weight, hc.norm.eps)
-        a_m = hc.static_m + hc.s_alpha * torch.tanh(hc.w_m(Hbar)).squeeze(-1)
-        a_r = hc.static_r + hc.s_alpha * torch.tanh(hc.w_r(Hbar))
-        beta = hc.static_beta + hc.s_beta * torch.tanh(hc.w_beta(Hbar)).squeeze(-1)
-        h = torch.einsum("ni,nid->nd", a_m, H)
-        return h, torch.einsum("nij,nid->njd", a_r, H) + beta.unsqueeze(-1) * (o * h).unsqueeze(1)
-
-    def fused():
-        h, a_r, beta = hc.read(H, recompute)
-        return h, hc.write(o * h, H, a_r, beta)
-
-    inputs = [H, o, *hc.parameters()]
-    weights = [torch.randn(10, 16, dtype=torch.float64), torch.randn(10, 3, 16, dtype=torch.float64)]
-    results = {}
-    for name, fn in (("spec", spec), ("fused", fused)):
-        outputs = fn()
-        loss = sum((out * w).sum() for out, w in zip(outputs, weights, strict=True))
-        results[name] = (outputs, torch.autograd.grad(loss, inputs))
-    for got, want in zip(results["fused"][0], results["spec"][0], strict=True):
-        torch.testing.assert_close(got, want)
-    for got, want in zip(results["fused"][1], results["spec"][1], strict=True):
-        torch.testing.assert_close(got, want)
-
-
-@pytest.mark.parametrize("per_token", [False, True], ids=["shared-weights", "per-token-weights"])
-def test_depth_buffer_sums_have_the_values_and_gradients_of_stacked_sums(per_token):
-    """A depth loop over the preallocated buffer (each sum feeding the next entry, one entry without a sum, a
-    strided subset of entries) gives the values and gradients of the same loop over ``torch.stack``, twice in a
-    row on one graph."""
-    gen = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
-
-    B, T, d, depth = 2, 5, 3, 5
-    xs = [randn(B, T, d) for _ in range(depth)]
-    steps = [1, 1, 2, None, 1]  # entry 3 is written without a sum; the sum after entry 2 takes entries 0 and 2
-    weights = [None if steps[i] is None else randn(B, T, 2, i // steps[i] + 1) if per_token
-               else randn(i // steps[i] + 1) for i in range(depth)]
-
-    def loop(stacked: bool) -> torch.Tensor:
-        buffer = DepthBuffer(xs[0], depth, dim=-2 if per_token else 0)
-        entries, y = [], xs[0]
-        for i in range(depth):
-            entries.append(torch.tanh(y * xs[i]))
-            if stacked and steps[i] is None:
-                y = entries[-1]
-            elif stacked:
-                sources = torch.stack(entries[i % steps[i] :: steps[i]], -2 if per_token else 0)
-                y = weights[i] @ sources if per_token else torch.tensordot(weights[i], sources, dims=1)
-            else:
-                step = steps[i] or 1
-                y = buffer.append(entries[-1], weights[i], start=i % step, step=step)
-            if per_token and steps[i] is not None:
-                y = y[..., 0, :] + 0.5 * y[..., 1, :]
-        return (y * torch.arange(d, dtype=y.dtype)).sin().sum()
-
-    expected = torch.autograd.grad(loop(stacked=True), xs + [w for w in weights if w is not None])
-    result = loop(stacked=False)
-    for _ in range(2):  # retain_graph: the second backward must not see the first one's sums
-        got = torch.autograd.grad(result, xs + [w for w in weights if w is not None], retain_graph=True)
-        for e, g in zip(expected, got, strict=True):
-            torch.testing.assert_close(g, e)
-    buffer = DepthBuffer(xs[0], 1)
-    buffer.append(xs[0])
-    with pytest.raises(IndexError, match="room for 1 block output"):
-        buffer.append(xs[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
@@ -442,25 +297,6 @@ def test_the_tiny_backbone_with_an_untied_head_and_unit_embeddings_learns_token_
     with torch.no_grad():
         predicted = model(x[:, :-1]).logits[:, 16::2].argmax(-1)
     assert (predicted == x[:, 17::2]).float().mean().item() > 0.9
-
-
-def test_sinkhorn_has_the_values_and_gradients_of_autograd_through_every_iteration():
-    from satlab.models.archs.mhc import sinkhorn
-
-    def reference(logits, iters):
-        matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-        for _ in range(iters):
-            matrix = matrix / matrix.sum(dim=-2, keepdim=True)
-            matrix = matrix / matrix.sum(dim=-1, keepdim=True)
-        return matrix
-
-    logits = (3 * torch.randn(5, 7, 4, 4, dtype=torch.float64)).requires_grad_()
-    probe = torch.randn(5, 7, 4, 4, dtype=torch.float64)
-    for iters in (1, 3, 20):
-        outputs = [sinkhorn(logits, iters), reference(logits, iters)]
-        torch.testing.assert_close(*outputs)
-        got, want = (torch.autograd.grad((out * probe).sum(), logits)[0] for out in outputs)
-        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # QK-norm of bf16 heads: unfused

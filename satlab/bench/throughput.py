@@ -75,6 +75,7 @@ class BenchResult:
     flops_per_token: float
     peak_flops: float | None
     ratio: PairedRatio | None = None  # tokens/s against the reference (None for the reference itself)
+    graphs: int | None = None  # with compile: the graphs dynamo made for it (0: it reused another's)
 
     @property
     def median_step(self) -> float:
@@ -122,6 +123,7 @@ class _Runner:
         tokens = torch.randint(0, self.model.cfg.vocab_size, (batch, seq_len + 1), generator=generator)
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         self.compile_seconds = 0.0
+        self.graphs: int | None = None
         if compile:
             compile_blocks(self.model)
 
@@ -158,9 +160,18 @@ def _cpu_step_memory(runner: _Runner) -> int:
 
     tracker = MemTracker()
     tracker.track_external(runner.model, runner.optimizer)
-    with tracker:
+    # MemTracker is a dispatch mode, which compiled graphs cannot run under: a compiled model's step is measured
+    # eagerly (the same code; inductor's fusions would only lower the peak).
+    with tracker, torch.compiler.set_stance("force_eager"):
         runner.step()
     return int(tracker.get_tracker_snapshot("peak")[runner.device]["Total"])
+
+
+def compiled_graphs() -> int:
+    """The graphs dynamo has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def bench_device(device: str) -> torch.device:
@@ -182,10 +193,11 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     runners = [_Runner(a, size, batch, seq_len, dev, dtype, compile, seed, overrides or {}) for a in archs]
     for runner in runners:  # warm-up (and compilation) of each model, timed apart
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), compiled_graphs()
         for _ in range(warmup):
             runner.step()
-        runner.compile_seconds = time.perf_counter() - start if compile else 0.0
+        if compile:
+            runner.compile_seconds, runner.graphs = time.perf_counter() - start, compiled_graphs() - graphs
     reference = next((r for r in runners if r.arch == "transformer"), runners[0])
     others = [r for r in runners if r is not reference]
     times: dict[str, list[float]] = {r.arch: [] for r in runners}
@@ -206,6 +218,7 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
             arch=r.arch, params=count_params(r.model), tokens_per_step=batch * seq_len, step_times=times[r.arch],
             compile_seconds=r.compile_seconds, peak_mem_gb=r.memory_gb(),
             flops_per_token=flops_per_token(r.model, seq_len), peak_flops=peak, ratio=ratios.get(r.arch),
+            graphs=r.graphs,
         )
         for r in runners
     ]

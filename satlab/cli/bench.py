@@ -113,14 +113,15 @@ def results_table(results, overhead: dict | None, args) -> Table:
     table = Table(title=f"training throughput at size '{args.size}', batch {args.batch} x {args.seq_len}, "
                         f"{args.precision}{compiled} ({rounds} paired rounds)")
     for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch} [95 % CI]", "mem GB",
-                   "mem ratio", "TFLOP/s", "MFU", "compile s"):
+                   "mem ratio", "TFLOP/s", "MFU", "compile s", "graphs"):
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
     for r in results:
         table.add_row(r.arch, f"{r.params / 1e6:.2f}M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
                       f"{r.tokens_per_sec:,.0f}", "1" if r.ratio is None else
                       f"{r.ratio.mean:.3f} [{r.ratio.low:.3f}, {r.ratio.high:.3f}]",
                       f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
-                      "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}")
+                      "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}",
+                      "—" if r.graphs is None else str(r.graphs))
     if overhead:
         table.caption = overhead_line(overhead)
     return table
@@ -193,7 +194,7 @@ def log_to_mlflow(report: dict, json_path: Path) -> str:
                     client.log_metric(run.info.run_id, f"bench/{r['arch']}/ratio_{key}", float(r["ratio"][key]),
                                       step=step)
             for key in ("tokens_per_sec", "median_step", "spread", "peak_mem_gb", "tflops", "mfu",
-                        "compile_seconds", "flops_per_token", "params"):
+                        "compile_seconds", "graphs", "flops_per_token", "params"):
                 if r[key] is not None:
                     client.log_metric(run.info.run_id, f"bench/{r['arch']}/{key}", float(r[key]), step=step)
     host = report["host"]  # its device is the run's provenance tag "device"

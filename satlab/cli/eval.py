@@ -1,6 +1,9 @@
 """`satlab eval ckpt=<checkpoint or run dir> tasks=... [limit=N] [device=cpu]`: evaluate a checkpoint with lm-eval,
 print the results, log them into the checkpoint's MLflow run (when its run directory holds a run.json) and
-optionally write them as JSON."""
+optionally write them as JSON.
+
+The checkpoint may be one file or a sharded directory (train.strategy fsdp or model_parallel): a sharded one is
+read whole in this one process, without a process group, whatever number of processes wrote it."""
 
 from __future__ import annotations
 

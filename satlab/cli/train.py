@@ -12,12 +12,14 @@ from satlab.config.derived import derive_schedule
 from satlab.config.display import print_config
 from satlab.config.loader import load_experiment
 from satlab.console import console as make_console
+from satlab.training.machine import resolve_precision
 
 
 def run(args: argparse.Namespace) -> int:
     experiment, overrides = split_experiment(args.overrides)
     cfg = load_experiment(experiment, overrides)
     if args.print_config or args.dry_run:
+        cfg = resolve_precision(cfg)  # what this machine would train in (train() resolves it the same way)
         print_config(cfg)
     if args.dry_run:
         print_plan(cfg)

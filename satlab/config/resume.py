@@ -4,7 +4,8 @@ A resumed run continues the weights, optimizer state and data position of its ch
 data, the optimizer or the seed would continue one experiment as another, so :func:`resume_problems` lists such
 changes and the run is refused (a new name starts a new run). Extending the budget (``train.max_tokens``, which
 also stretches the cosine schedule from where it is), validation and checkpoint intervals, hardware and
-parallelism, precision and compile, evaluation and tracking settings may change.
+parallelism, precision and compile, evaluation and tracking settings may change, and so may the implementation of
+the depth mixing (``model.mixing_impl``: the same formulas computed another way, no weight changes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ RESUMABLE = (
     "train.resume", "train.micro_batch_size", "train.precision", "train.compile", "train.accelerator",
     "train.devices", "train.num_nodes", "train.strategy", "train.data_parallel_size",
     "train.activation_checkpointing", "train.deterministic", "data.num_workers", "data.cache_dir",
-    "data.mqar.stop_at_acc", "eval.", "tracking.",
+    "data.mqar.stop_at_acc", "model.mixing_impl", "eval.", "tracking.",
 )
 """Keys (or ``section.`` prefixes) a resumed run may change."""
 

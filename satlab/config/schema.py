@@ -11,7 +11,11 @@ from satlab.models.config import ModelConfig
 
 TOKENIZER_KINDS = ("byte", "bpe", "hub")
 SOURCE_KINDS = ("auto", "corpus", "files", "hub")
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
+"""``train.precision``: Lightning's names, or ``auto`` (the default): ``bf16-mixed`` on a CUDA GPU with bf16
+arithmetic, ``32-true`` anywhere else. A run resolves ``auto`` once, before it records its config (see
+``satlab.training.machine.resolve_precision``), so ``config.yaml``, the MLflow params and the checkpoint name the
+precision it trained in."""
 STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
 RESUME_MODES = ("auto", "never")
 MIX_SOURCES = ("recall", "copy")
@@ -169,7 +173,7 @@ class TrainConfig:
     global_batch_tokens: int = 8192
     micro_batch_size: int = 32
     seed: int = 1337
-    precision: str = "32-true"
+    precision: str = "auto"  # bf16-mixed on a CUDA GPU with bf16, else 32-true (resolved when a run starts)
     compile: bool = False
     accelerator: str = "auto"
     devices: int = 1

@@ -17,6 +17,7 @@ import satlab.models.archs  # noqa: F401  (registers every architecture)
 from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.structured import build, field_problems
 from satlab.models.architecture import ARCHITECTURES
+from satlab.models.layers import MIXING_IMPLS
 
 # d, L, H (d_h = 64), SwiGLU width, vocab, RoPE length. The paper sizes are the spec's table.
 SIZE_PRESETS: dict[str, dict[str, int]] = {
@@ -44,6 +45,11 @@ class BackboneConfig:
     (64 token ids, ``tests/test_models.py``, slow; with 4,096 ids it had not started by step 300: each value's row
     of an untied head is learned on its own). In language-model training with recall documents mixed in, the same
     change did not bring copying earlier (``experiments/recall/``).
+
+    ``mixing_impl`` chooses how the depth loops compute their mixing (hyper-connections, mHC, MUDDFormer, DenseFormer,
+    AttnRes): the plain formulas (``reference``), the CPU's hand-written autograd functions (``handwritten``), or by
+    device (``auto``: hand-written on a CPU, the reference elsewhere). Both give the same numbers and weights
+    (``tests/test_parity.py``), so a resumed run may change it. See ``docs/implementations.md``.
     """
 
     arch: str = "satformer"
@@ -60,6 +66,7 @@ class BackboneConfig:
     init_std: float = 0.02
     embed_init_std: float | None = None
     tie_embeddings: bool = True
+    mixing_impl: str = field(default="auto", metadata={"choices": MIXING_IMPLS})
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +119,9 @@ def model_config_problems(cfg: Any) -> list[str]:
     problems = []
     if cfg.arch not in ARCHITECTURES:
         problems.append(unknown_name("architecture (model.arch)", cfg.arch, ARCHITECTURES))
+    for f in dataclasses.fields(BackboneConfig):  # the backbone's declared choices (its sections are checked below)
+        if "choices" in f.metadata and getattr(cfg, f.name) not in f.metadata["choices"]:
+            problems.append(unknown_name(f"model.{f.name}", getattr(cfg, f.name), f.metadata["choices"]))
     for name, (least, most) in _SIZE_RANGES.items():
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:

@@ -12,6 +12,10 @@ that autograd never sees; each sum's backward adds its part of every X_j's gradi
 :attr:`DepthBuffer.grads` tensor (one rank-1 update, or one batched matmul and an add), and hands X_i its gradient
 when X_i's own node runs. The graph's order makes that total: the sum of layer i feeds block i+1, so every later
 sum (the only other readers of X_i) has run its backward before layer i's does.
+
+:class:`DepthList` is the same interface as the formula reads, Σ_j w_j X_j over a list of block outputs, autograd
+doing the backward: the reference, and what torch.compile traces (the sums fuse into one kernel each there).
+:func:`depth_buffer` picks one of the two by ``model.mixing_impl`` (see :data:`~satlab.models.layers.MIXING_IMPLS`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from satlab.models.layers import handwritten
 
 
 def exact_sum(x: Tensor) -> torch.autocast:
@@ -60,6 +66,54 @@ class DepthBuffer:
         if self.count == self.capacity:
             raise IndexError(f"the depth buffer has room for {self.capacity} block output(s), all written")
         return _DepthSum.apply(x, weights, self, self.count, start, step)
+
+
+def depth_sum(weights: Tensor, sources: list[Tensor], per_token: bool) -> Tensor:
+    """Σ_j w_j X_j, the formula of the dense depth loops, over the block outputs ``sources`` (each (B, T, d)):
+    ``weights`` (J,) shared by all tokens gives (B, T, d); per token (B, T, C, J) gives C sums (B, T, C, d)."""
+    if len(sources) != weights.shape[-1]:
+        raise ValueError(f"{weights.shape[-1]} weights for {len(sources)} block outputs")
+    weights = weights.to(sources[0].dtype)
+    if per_token:
+        terms = [weights[..., j, None] * x.unsqueeze(-2) for j, x in enumerate(sources)]
+    else:
+        terms = [weights[j] * x for j, x in enumerate(sources)]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+class DepthList:
+    """The reference of :class:`DepthBuffer`: the same interface over a list of block outputs, each sum the
+    formula (:func:`depth_sum`), autograd doing the backward."""
+
+    def __init__(self, first: Tensor, depth: int, dim: int = 0):
+        if dim not in (0, -2):
+            raise ValueError(f"a depth buffer stacks along dim 0 or -2, not {dim}")
+        self.per_token = dim == -2
+        self.capacity = depth
+        self.outputs: list[Tensor] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.outputs)
+
+    def append(self, x: Tensor, weights: Tensor | None = None, start: int = 0, step: int = 1) -> Tensor:
+        """As :meth:`DepthBuffer.append`."""
+        if self.count == self.capacity:
+            raise IndexError(f"the depth buffer has room for {self.capacity} block output(s), all written")
+        self.outputs.append(x)
+        if weights is None:
+            return x
+        with exact_sum(x):
+            return depth_sum(weights, self.outputs[start::step], self.per_token)
+
+
+def depth_buffer(first: Tensor, depth: int, dim: int = 0, impl: str = "auto") -> DepthBuffer | DepthList:
+    """The block-output store for ``model.mixing_impl``: the preallocated :class:`DepthBuffer` hand-written, the
+    :class:`DepthList` reference. Chosen per forward from ``first``'s device."""
+    return (DepthBuffer if handwritten(impl, first) else DepthList)(first, depth, dim)
 
 
 def _flat(t: Tensor) -> Tensor:

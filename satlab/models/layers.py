@@ -19,26 +19,42 @@ from satlab.models.cache import LayerKVCache
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension; ``elementwise_affine=False`` gives the scale-free norm MUDD uses."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, impl: str = "auto"):
         super().__init__()
         self.eps = eps
         self.dim = dim
+        self.impl = impl  # see MIXING_IMPLS
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.impl)
 
     def init_weights(self) -> None:
         if self.weight is not None:
             nn.init.ones_(self.weight)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm over the last dimension: F.rms_norm on GPUs (a fused kernel) and in low precision (it upcasts), in
-    fp32 on a CPU the function below."""
-    if x.is_cuda or x.dtype != torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return _RMSNormCPU.apply(x, weight, eps)
+MIXING_IMPLS = ("auto", "reference", "handwritten")
+"""How the depth mixing is computed (``model.mixing_impl``). ``reference``: the plain PyTorch formula, autograd
+doing the backward: what a reader checks against the paper and what torch.compile traces and fuses. ``handwritten``:
+the custom autograd functions written for a CPU (fewer passes over memory, the buffers of the dense depth loops).
+``auto``: the hand-written functions on a CPU, the reference anywhere else. Each function decides per call from its
+input's device, not once when the model is built: models are built on the CPU and moved to the GPU afterwards
+(Lightning, the bench). ``docs/implementations.md`` lists the functions that have both forms."""
+
+
+def handwritten(impl: str, x: Tensor) -> bool:
+    """Whether the mixing implementation ``impl`` (one of :data:`MIXING_IMPLS`) computes ``x``'s mixing with the
+    hand-written autograd functions."""
+    return impl == "handwritten" or (impl == "auto" and x.device.type == "cpu")
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, impl: str = "auto") -> Tensor:
+    """RMSNorm over the last dimension. The reference is F.rms_norm (a fused kernel on GPUs); the hand-written
+    function below is for fp32 (and fp64) on a CPU. In low precision always F.rms_norm, which upcasts."""
+    if handwritten(impl, x) and x.dtype in (torch.float32, torch.float64):
+        return _RMSNormCPU.apply(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _rstd(x: Tensor, eps: float) -> Tensor:
@@ -109,12 +125,16 @@ class _RMSLinear(torch.autograd.Function):
         return dx, d_weight.to(weight.dtype), None
 
 
-def rms_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm(x) Wᵀ for a norm without scale (fold a scale into W): the skinny projections of the mixing weights
-    (MUDDFormer's depth aggregates, mHC's coefficients and readout; hyper-connections use its parts inside their
-    read) read x once and never materialise RMSNorm(x), in forward or backward, where autograd's own form makes
-    several passes over x for ∂rstd/∂x."""
-    return _RMSLinear.apply(x, weight, eps)
+def rms_linear(x: Tensor, weight: Tensor, eps: float, impl: str = "auto") -> Tensor:
+    """RMSNorm(x) Wᵀ for a norm without scale (fold a scale into W), computed in x's dtype (autocast off: the
+    mixing weights stay fp32 under bf16-mixed). The skinny projections of the mixing weights (MUDDFormer's depth
+    aggregates, mHC's coefficients and readout; hyper-connections use its parts inside their read) hand-written
+    read x once and never materialise RMSNorm(x), in forward or backward, where autograd's own form makes several
+    passes over x for ∂rstd/∂x."""
+    if handwritten(impl, x):
+        return _RMSLinear.apply(x, weight, eps)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(F.rms_norm(x, (x.shape[-1],), None, eps), weight.to(x.dtype))
 
 
 class Rotary(nn.Module):
@@ -173,8 +193,9 @@ class AttentionOutput(NamedTuple):
 class Attention(nn.Module):
     """Causal self-attention: bias-free q/k/v/o, QK-norm before RoPE, GQA, SDPA, KV cache.
 
-    The first layer to attend (``v1`` is None: layer 0) records its raw value projection as V_1. A layer with a ``value_path`` forms
-    ``V'_n = value_path(V_n, V_1, h_n, v1_weight, tokens)`` before attending; V'_n is what goes into the KV cache.
+    The first layer to attend (``v1`` is None: layer 0) records its raw value projection as V_1. A layer with a
+    ``value_path`` forms ``V'_n = value_path(V_n, V_1, h_n, v1_weight, tokens)`` before attending; V'_n is what goes
+    into the KV cache.
     """
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None):
@@ -186,8 +207,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, d, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, impl=cfg.mixing_impl)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, impl=cfg.mixing_impl)
         self.value_path = value_path
 
     def forward(
@@ -247,11 +268,11 @@ class Block(nn.Module):
                  separate_kv_norms: bool = False):
         super().__init__()
         self.layer_idx = layer_idx  # for reading a model; forward never branches on it (see Attention.forward)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn_norm_k = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
-        self.attn_norm_v = RMSNorm(cfg.d_model, cfg.norm_eps) if separate_kv_norms else None
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl)
+        self.attn_norm_k = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl) if separate_kv_norms else None
+        self.attn_norm_v = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl) if separate_kv_norms else None
         self.attn = Attention(cfg, layer_idx, value_path)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if mlp_hidden > 0 else None
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl) if mlp_hidden > 0 else None
         self.mlp = SwiGLU(cfg.d_model, mlp_hidden) if mlp_hidden > 0 else None
 
     def _attend(self, xq: Tensor, rope, v1, v1_weight, cache, xk: Tensor | None, xv: Tensor | None,

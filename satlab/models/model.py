@@ -35,7 +35,7 @@ class DecoderLM(nn.Module):
         self.stream = stream
         self.blocks = nn.ModuleList(stream.make_block(cfg, i, value_paths[i]) for i in range(cfg.n_layers))
         self.value_shared = value_shared
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.init_weights()

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from satlab.models.cache import KVCache
-from satlab.models.layers import Block
+from satlab.models.layers import Block, handwritten
 
 
 class DepthContext:
@@ -92,16 +92,23 @@ def recomputed(fn: Callable[..., Any], *args: Tensor, enabled: bool = True) -> A
     return fn(*args)
 
 
-def stream_read(weights: Tensor, H: Tensor) -> Tensor:
-    """Σ_i w_i H_i per token, from weights (N, n) and streams H (N, n, d), as one batched matmul. The weights are made
-    contiguous first: for an operand with no unit stride (a column of a coefficient tensor) the CPU bmm copies each
-    token's matrices one by one, ten times slower."""
-    return torch.bmm(weights.unsqueeze(1).contiguous(), H).squeeze(1)
+def stream_read(weights: Tensor, H: Tensor, impl: str = "auto") -> Tensor:
+    """Σ_i w_i H_i per token, from weights (N, n) and streams H (N, n, d). Hand-written as one batched matmul with
+    the weights made contiguous first: for an operand with no unit stride (a column of a coefficient tensor) the CPU
+    bmm copies each token's matrices one by one, ten times slower."""
+    if handwritten(impl, H):
+        return torch.bmm(weights.unsqueeze(1).contiguous(), H).squeeze(1)
+    return torch.einsum("ti,tid->td", weights, H)
 
 
-def stream_write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
-    """H' = A_rᵀH + β ⊗ o per token: streams H (N, n, d), the sublayer output o (N, d), A_r (N, n, n), β (N, n)."""
-    return _StreamWrite.apply(o.to(H.dtype), H, a_r, beta)
+def stream_write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor, impl: str = "auto") -> Tensor:
+    """H' = A_rᵀH + β ⊗ o per token: streams H (N, n, d), the sublayer output o (N, d), A_r (N, n, n), β (N, n), in
+    the streams' dtype (autocast off: fp32 under bf16-mixed)."""
+    o = o.to(H.dtype)
+    if handwritten(impl, H):
+        return _StreamWrite.apply(o, H, a_r, beta)
+    with torch.autocast(H.device.type, enabled=False):
+        return torch.einsum("tij,tid->tjd", a_r, H) + beta.unsqueeze(-1) * o.unsqueeze(-2)
 
 
 class _StreamWrite(torch.autograd.Function):

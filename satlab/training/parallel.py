@@ -25,21 +25,21 @@ def make_strategy(cfg: ExperimentConfig):
     t = cfg.train
     if t.strategy in ("auto", "ddp"):
         return t.strategy
-    if t.strategy == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
+    # Both sharded strategies write checkpoints as directories of per-rank shards (no rank ever holds the whole
+    # model and optimizer state), renamed into place when complete (satlab.training.resilience); `satlab eval` and
+    # resume read them in that form (docs/checkpoints.md).
+    from satlab.training.resilience import AtomicFSDPStrategy, AtomicModelParallelStrategy
 
-        return FSDPStrategy(
+    if t.strategy == "fsdp":
+        return AtomicFSDPStrategy(
             auto_wrap_policy={Block},
             activation_checkpointing_policy={Block} if t.activation_checkpointing else None,
             state_dict_type="sharded",
             sharding_strategy="FULL_SHARD",
         )
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    # A full (gathered) checkpoint keeps `load_checkpoint` and `satlab eval` working on one file.
-    return ModelParallelStrategy(data_parallel_size=t.data_parallel_size or t.devices * t.num_nodes,
-                                 tensor_parallel_size=1,
-                                 save_distributed_checkpoint=False)
+    return AtomicModelParallelStrategy(data_parallel_size=t.data_parallel_size or t.devices * t.num_nodes,
+                                       tensor_parallel_size=1,
+                                       save_distributed_checkpoint=True)
 
 
 RECOMPILE_LIMIT = 64
@@ -52,10 +52,36 @@ recompile within one architecture is still an error there (``error_on_recompile`
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
     """Compile each block in place. Depth loops that rewire sublayers (hyper-connections, MUDD) call them through
-    the block's forward (``part=``), so one compiled forward serves every depth loop."""
+    the block's forward (``part=``), so one compiled forward serves every depth loop.
+
+    A depth loop with mixing of its own (it has a ``mixing_impl``: hyper-connections, mHC, MUDDFormer, DenseFormer,
+    AttnRes) is compiled whole as well, so that inductor fuses the mixing between the blocks: one graph of the
+    unrolled loop, the blocks traced inline. That graph is only used where the mixing resolves to its reference
+    (``model.mixing_impl``: always on a GPU with ``auto``): the hand-written functions are for eager CPU runs, and
+    the model is on the CPU here, moved to its device later (Lightning), so the choice is made per call. Blocks
+    sharded by FSDP when the loop is called keep the per-block graphs: dynamo does not trace through FSDP's hooks
+    in one graph."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
+    stream, impl = model.stream, getattr(model.stream, "mixing_impl", None)
+    if impl is None or impl == "handwritten":
+        return
+    from satlab.models.layers import handwritten
+
+    loop, eager = torch.compile(stream.forward, backend=backend, fullgraph=fullgraph), stream.forward
+
+    def sharded() -> bool:
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        return any(isinstance(block, (FSDPModule, FullyShardedDataParallel)) for block in model.blocks)
+
+    def forward(x: torch.Tensor, ctx) -> torch.Tensor:
+        return eager(x, ctx) if handwritten(impl, x) or sharded() else loop(x, ctx)
+
+    stream.forward = forward
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

@@ -26,7 +26,9 @@ from satlab.data.tokenizer import TextTokenizer
 from satlab.models import count_params, flops_per_token, non_embedding_params
 from satlab.training.chatter import library_chatter_to
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
+from satlab.training.checkpoint import SHARDED_BY, read_checkpoint_meta, sharded_weights_key
 from satlab.training.datamodule import LMDataModule
+from satlab.training.machine import resolve_precision
 from satlab.training.mlflow_logger import ResumableMLFlowLogger
 from satlab.training.module import LMModule
 from satlab.training.parallel import make_strategy
@@ -37,6 +39,7 @@ from satlab.training.resilience import (
     CheckpointOnSigterm,
     RunLock,
     find_resume_checkpoint,
+    remove_partial_checkpoints,
 )
 from satlab.training.summary import print_summary
 from satlab.training.tracking import (
@@ -86,12 +89,14 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
         if resume_from is not None:
             info_path = base / RUN_INFO
             return base, resume_from, json.loads(info_path.read_text()) if info_path.exists() else {}
-        corrupt = sorted(p.name for p in (base / "checkpoints").glob("*.corrupt"))
-        if corrupt:
+        # what is left under a checkpoint's name now is unusable: files renamed *.corrupt, directories left as they are
+        unusable = sorted(p.name for p in (base / "checkpoints").glob("*") if not p.name.startswith(".")
+                          and p.name.endswith((".corrupt", ".ckpt")))
+        if unusable:
             raise ConfigError(
-                f"run '{cfg.name}' cannot resume: every checkpoint in {base / 'checkpoints'} is unreadable (kept as "
-                f"{', '.join(corrupt)}). Nothing was changed: to start it over, remove the folder {base} (its MLflow "
-                "run stays as it is), or train under another name (name=...)")
+                f"run '{cfg.name}' cannot resume: every checkpoint in {base / 'checkpoints'} is unreadable or "
+                f"incomplete ({', '.join(unusable)}). Nothing was changed: to start it over, remove the folder {base} "
+                "(its MLflow run stays as it is), or train under another name (name=...)")
         return base, None, {}
     run_dir, n = base, 1
     while (run_dir / "checkpoints").exists():
@@ -113,8 +118,8 @@ def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None]
 def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
     """The checkpoint's global step, once checked: a run resumes only with the config it was started with, but for
     what may change (``config.resume``), and with the same tokenizer (else its embeddings would mean other
-    tokens)."""
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    tokens), and a sharded checkpoint only with the strategy that reads its layout."""
+    state = read_checkpoint_meta(ckpt_path)
     changes = resume_problems(config_from_yaml(state[CHECKPOINT_KEY]["config"]), cfg)
     if changes:
         raise ConfigError(
@@ -130,6 +135,13 @@ def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
             f"{tokenizer.vocab_size}); resume with the same data.tokenizer and data.source settings, or start a new "
             "run (another name, or train.resume=never)"
         )
+    writer = SHARDED_BY[sharded_weights_key(ckpt_path)] if ckpt_path.is_dir() else None
+    if writer is not None and cfg.train.strategy != writer:
+        raise ConfigError(
+            f"checkpoint {ckpt_path} is a sharded checkpoint directory as train.strategy={writer} writes it, which "
+            f"only that strategy can resume, but this run asks for train.strategy={cfg.train.strategy}. Nothing of "
+            f"that run was changed; resume it with train.strategy={writer} (any number of devices), or start a new "
+            "run under another name (name=...)")
     return int(state.get("global_step", 0))
 
 
@@ -163,6 +175,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     ``end_eval_seconds`` attribute (the evaluation callback) has that time reported apart from training.
     """
     started = time.perf_counter()
+    cfg = resolve_precision(cfg)  # before anything records the config: config.yaml and MLflow name the real one
     keep_freed_memory()
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
@@ -177,6 +190,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext(), library_chatter_to(run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
+            remove_partial_checkpoints(run_dir / "checkpoints")  # only now: the lock makes them leftovers
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
         schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)

@@ -17,7 +17,8 @@ stream over the number of sources: every consumer is an RMSNorm, so the model st
 when every RMSNorm eps is 0 (the parity condition below), up to O(eps) otherwise.
 
 Full keeps its sources in a preallocated :class:`~satlab.models.depth_buffer.DepthBuffer` (no stack per sublayer);
-Block, with at most N + 2 sources, stacks them.
+Block, with at most N + 2 sources, stacks them. With the reference mixing (``model.mixing_impl``) both read their
+sources as the sum Σ_j α_j v_j over a list (:func:`~satlab.models.depth_buffer.depth_sum`), the keys as F.rms_norm.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.depth_buffer import DepthBuffer
-from satlab.models.layers import rms_norm
+from satlab.models.depth_buffer import depth_buffer, depth_sum
+from satlab.models.layers import handwritten, rms_norm
 from satlab.models.streams import DepthContext, ResidualStream
 
 
@@ -63,7 +64,7 @@ class DepthQuery(nn.Module):
         """α over the sources (B, T, J) from their normalised keys (each (B, T, d)); the softmax in fp32."""
         q = (self.query * self.key_weight).unsqueeze(0)
         scores = torch.cat([F.linear(k, q.to(k.dtype)) for k in keys], dim=-1)
-        return torch.softmax(scores.float(), dim=-1)
+        return torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
 
 
 def sublayers(ctx: DepthContext) -> list[Callable[[Tensor], Tensor]]:
@@ -88,6 +89,7 @@ class AttnResStream(ResidualStream):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.eps, self.d = cfg.norm_eps, cfg.d_model
+        self.mixing_impl = cfg.mixing_impl  # a depth loop with two implementations (see compile_blocks)
         self.queries = nn.ModuleList(DepthQuery(cfg.d_model) for _ in range(n_sublayers(cfg) + 1))
 
     def init_weights(self) -> None:
@@ -95,7 +97,7 @@ class AttnResStream(ResidualStream):
             query.init_weights()
 
     def key(self, v: Tensor) -> Tensor:
-        return rms_norm(v, None, self.eps)
+        return rms_norm(v, None, self.eps, self.mixing_impl)
 
     def sources_per_consumer(self) -> list[int]:
         return list(range(1, len(self.queries) + 1))
@@ -106,7 +108,7 @@ class AttnResStream(ResidualStream):
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
         functions = sublayers(ctx)
-        sources = DepthBuffer(x, len(functions) + 1, dim=-2)
+        sources = depth_buffer(x, len(functions) + 1, dim=-2, impl=self.mixing_impl)
         keys: list[Tensor] = []
         v = x
         for s, query in enumerate(self.queries):
@@ -153,7 +155,9 @@ class BlockAttnResStream(AttnResStream):
         sources = done if partial is None else [*done, partial]
         keys = done_keys if partial is None else [*done_keys, self.key(partial)]
         alpha = query.weights(keys).to(sources[0].dtype).unsqueeze(-2)  # (B, T, 1, J)
-        return torch.matmul(alpha, torch.stack(sources, dim=-2)).squeeze(-2)
+        if handwritten(self.mixing_impl, alpha):
+            return torch.matmul(alpha, torch.stack(sources, dim=-2)).squeeze(-2)
+        return depth_sum(alpha, sources, per_token=True).squeeze(-2)
 
 
 def query_norms(queries: nn.ModuleList) -> MixingWeight:

@@ -6,7 +6,8 @@ start at a_{i,i} = 1, others 0, so the model starts as the Transformer.
 
 The outputs live in one preallocated :class:`~satlab.models.depth_buffer.DepthBuffer` of shape (L+1, B, T, d);
 each DWA is a single (1 × J) @ (J × B·T·d) product over a view of it (strided for ``dilation`` > 1), with the
-gradients accumulated in place in a second buffer.
+gradients accumulated in place in a second buffer. With the reference mixing (``model.mixing_impl``) they live in a
+list and each DWA is the sum Σ_j a_{i,j} X_j as written (:class:`~satlab.models.depth_buffer.DepthList`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.depth_buffer import DepthBuffer
+from satlab.models.depth_buffer import depth_buffer
 from satlab.models.streams import DepthContext, ResidualStream
 
 
@@ -41,6 +42,7 @@ class DenseFormerStream(ResidualStream):
         opts = cfg.denseformer
         self.dilation, self.period, self.n_layers = opts.dilation, opts.period, cfg.n_layers
         self.dwa_layers = [i for i in range(1, cfg.n_layers + 1) if i % self.period == 0]
+        self.mixing_impl = cfg.mixing_impl  # a depth loop with two implementations (see compile_blocks)
         self.weights = nn.ParameterDict(
             {str(i): nn.Parameter(torch.zeros(len(dwa_sources(i, self.dilation)))) for i in self.dwa_layers}
         )
@@ -56,7 +58,7 @@ class DenseFormerStream(ResidualStream):
             weight.data[-1] = 1.0  # the last source is j = i: the block's own output
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        outputs = DepthBuffer(x, len(ctx.blocks) + 1)
+        outputs = depth_buffer(x, len(ctx.blocks) + 1, impl=self.mixing_impl)
         y = outputs.append(x)
         for i in range(1, len(ctx.blocks) + 1):
             out = ctx.block(i - 1, y)

@@ -16,6 +16,10 @@ their backward written out, which make about half the passes over H that autogra
 token: at d = 128 as large as the MLP's hidden layer, and a CPU is bound by its memory traffic). Backward keeps H,
 which the stream holds anyway, and with ``recompute`` (default) rebuilds the per-copy coefficients from it instead
 of storing them. The rest of what HC stores per sublayer, H itself, is what its backward needs (dA = H·dhᵀ).
+
+Beside them the reference (``model.mixing_impl``, see :data:`~satlab.models.layers.MIXING_IMPLS`): the formulas
+above as written (:meth:`HyperConnection.coefficients`, ``einsum`` for A_mᵀH and A_rᵀH), autograd doing the backward,
+``recompute`` through activation checkpointing. It is what runs on a GPU, where torch.compile fuses it.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.layers import RMSNorm, rms_parts, rms_parts_backward
-from satlab.models.streams import DepthContext, ResidualStream, stream_read, stream_write
+from satlab.models.layers import RMSNorm, handwritten, rms_parts, rms_parts_backward
+from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
 
 
 @dataclass
@@ -45,9 +49,9 @@ class HyperConnectionOptions:
 class HyperConnection(nn.Module):
     no_weight_decay_params = ("static_m", "static_r", "static_beta", "s_alpha", "s_beta")
 
-    def __init__(self, d_model: int, n: int, k: int, eps: float):
+    def __init__(self, d_model: int, n: int, k: int, eps: float, impl: str = "auto"):
         super().__init__()
-        self.n, self.k = n, k
+        self.n, self.k, self.impl = n, k, impl
         self.norm = RMSNorm(d_model, eps)
         self.w_m = nn.Linear(d_model, 1, bias=False)
         self.w_r = nn.Linear(d_model, n, bias=False)
@@ -74,7 +78,12 @@ class HyperConnection(nn.Module):
 
     def read(self, H: Tensor, recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """The sublayer input h = A_mᵀH (N, d) of the streams H (N, n, d), plus A_r (N, n, n) and β (N, n) for
-        :meth:`write`. The coefficients are the columns of C = static + scale·tanh(H̄ W'), W' = [W_m | W_r | W_β]."""
+        :meth:`write`. Hand-written, the coefficients are the columns of C = static + scale·tanh(H̄ W'),
+        W' = [W_m | W_r | W_β] with the norm's scale folded in, from one :class:`_Read`."""
+        if not handwritten(self.impl, H):
+            a_m, a_r, beta = recomputed(self.coefficients, H, enabled=recompute)
+            with torch.autocast(H.device.type, enabled=False):
+                return torch.einsum("ti,tid->td", a_m, H), a_r, beta  # h = A_mᵀH
         n, dtype = self.n, H.dtype
         weight = torch.cat([self.w_m.weight, self.w_r.weight, self.w_beta.weight]) * self.norm.weight
         static = torch.cat([self.static_m.unsqueeze(-1), self.static_r, self.static_beta.unsqueeze(-1)], dim=-1)
@@ -82,10 +91,22 @@ class HyperConnection(nn.Module):
         h, coeffs = _Read.apply(H, weight.to(dtype), static.to(dtype), scale.to(dtype), self.norm.eps, recompute)
         return h, coeffs[..., 1:n + 1], coeffs[..., n + 1]
 
-    @staticmethod
-    def write(o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
+    def coefficients(self, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The reference: A_m (N, n), A_r (N, n, n) and β (N, n) from H̄ = RMSNorm(H) per copy, in H's dtype,
+        A_m = e + s_α·tanh(H̄ W_m), A_r = I + s_α·tanh(H̄ W_r), β = 1 + s_β·tanh(H̄ W_β)."""
+        dtype = H.dtype
+        with torch.autocast(H.device.type, enabled=False):  # the mixing in the streams' dtype (fp32 under bf16-mixed)
+            Hbar = F.rms_norm(H, (H.shape[-1],), self.norm.weight.to(dtype), self.norm.eps)
+            s_alpha, s_beta = self.s_alpha.to(dtype), self.s_beta.to(dtype)
+            a_m = self.static_m.to(dtype) + s_alpha * torch.tanh(F.linear(Hbar, self.w_m.weight.to(dtype))).squeeze(-1)
+            a_r = self.static_r.to(dtype) + s_alpha * torch.tanh(F.linear(Hbar, self.w_r.weight.to(dtype)))
+            beta = self.static_beta.to(dtype) + s_beta * torch.tanh(
+                F.linear(Hbar, self.w_beta.weight.to(dtype))).squeeze(-1)
+        return a_m, a_r, beta
+
+    def write(self, o: Tensor, H: Tensor, a_r: Tensor, beta: Tensor) -> Tensor:
         """H <- β ⊗ o + A_rᵀH."""
-        return stream_write(o, H, a_r, beta)
+        return stream_write(o, H, a_r, beta, self.impl)
 
 
 def _coefficient_parts(H: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,7 +127,7 @@ class _Read(torch.autograd.Function):
         with torch.autocast(H.device.type, enabled=False):  # the mixing in the streams' dtype (fp32 under bf16-mixed)
             rstd, u, z = _coefficient_parts(H, weight, eps)
             coeffs = torch.addcmul(static, scale, z)
-            h = stream_read(coeffs[..., 0], H)
+            h = stream_read(coeffs[..., 0], H, "handwritten")
         ctx.eps = eps
         ctx.save_for_backward(H, weight, static, scale, *(() if recompute else (rstd, u, z)))
         return h, coeffs
@@ -132,8 +153,9 @@ class HyperConnectionStream(ResidualStream):
         self.n = cfg.hyperconnections.expansion
         self.recompute = cfg.hyperconnections.recompute
         self.connections = nn.ModuleList(
-            HyperConnection(cfg.d_model, self.n, k, cfg.norm_eps) for k in range(2 * cfg.n_layers)
+            HyperConnection(cfg.d_model, self.n, k, cfg.norm_eps, cfg.mixing_impl) for k in range(2 * cfg.n_layers)
         )
+        self.mixing_impl = cfg.mixing_impl  # a depth loop with two implementations (compile_blocks looks for it)
 
     def init_weights(self) -> None:
         for hc in self.connections:

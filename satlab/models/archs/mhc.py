@@ -19,6 +19,10 @@ its normalisations), and the read and write are the shared batched matmuls of
 :func:`~satlab.models.streams.stream_write`. With ``recompute`` (default) the coefficients are recomputed per
 sublayer in backward rather than stored; what they would store is now small (n² + 2n numbers per token), so this
 saves little (the paper recomputes blockwise, the sublayers' stream states too).
+
+Each of these has its reference beside it (``model.mixing_impl``, see :data:`~satlab.models.layers.MIXING_IMPLS`):
+Sinkhorn as the plain loop (:func:`sinkhorn_reference`), x̃φ/r as RMSNorm then the projection, the read and write as
+``einsum``; autograd does their backward. It is what runs on a GPU, where torch.compile fuses it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.layers import rms_linear
+from satlab.models.layers import handwritten, rms_linear
 from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
 
 
@@ -43,10 +47,22 @@ class MHCOptions:
     recompute: bool = True  # recompute H_pre, H_post, H_res (Sinkhorn included) in backward instead of storing them
 
 
-def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+def sinkhorn(logits: Tensor, iters: int, impl: str = "auto") -> Tensor:
     """exp(logits - max), then ``iters`` times: normalise the columns, then the rows (rows last: each output stream
     is an exact convex combination). (..., n, n), differentiable through every iteration."""
-    return _Sinkhorn.apply(logits, iters)
+    if handwritten(impl, logits):
+        return _Sinkhorn.apply(logits, iters)
+    return sinkhorn_reference(logits, iters)
+
+
+def sinkhorn_reference(logits: Tensor, iters: int) -> Tensor:
+    """:func:`sinkhorn` as the plain loop, autograd through every iteration. The max is subtracted for range only
+    (it cancels in the first normalisation), so no gradient goes through it."""
+    matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True).detach())
+    for _ in range(iters):
+        matrix = matrix / matrix.sum(dim=-2, keepdim=True)  # columns
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)  # rows
+    return matrix
 
 
 def _sinkhorn_steps(matrices: Tensor, iters: int, keep: bool = False) -> tuple[Tensor, Tensor, list]:
@@ -87,14 +103,19 @@ class _Sinkhorn(torch.autograd.Function):
         return (grad * start).movedim((0, 1), (-2, -1)).contiguous(), None
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """x in fp32 when it is in a lower precision (the spec's coefficients are fp32); fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class ManifoldConnection(nn.Module):
     """The coefficients of one sublayer s: φ (nd × (n² + 2n)), b, and α_pre, α_post, α_res."""
 
     no_weight_decay_params = ("b_pre", "b_post", "b_res", "alpha")
 
-    def __init__(self, d_model: int, n: int, s: int, iters: int, eps: float):
+    def __init__(self, d_model: int, n: int, s: int, iters: int, eps: float, impl: str = "auto"):
         super().__init__()
-        self.n, self.s, self.iters, self.eps = n, s, iters, eps
+        self.n, self.s, self.iters, self.eps, self.impl = n, s, iters, eps, impl
         self.phi = nn.Linear(n * d_model, n * n + 2 * n, bias=False)
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
@@ -119,7 +140,7 @@ class ManifoldConnection(nn.Module):
         """(H_pre (N, n), H_post (N, n), H_res (N, n, n)) for the streams X (N, n, d), in fp32. x̃φ/r is one
         :func:`rms_linear` (x̃ read once, no normalised copy); what follows works on n² + 2n numbers per token, and
         with ``recompute`` it (Sinkhorn's 2·iters normalisations included) is recomputed in backward."""
-        m = rms_linear(X.flatten(-2).float(), self.phi.weight, self.eps)
+        m = rms_linear(at_least_fp32(X.flatten(-2)), self.phi.weight, self.eps, self.impl)
         return recomputed(self.coefficients, m, enabled=recompute)
 
     def coefficients(self, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,7 +148,7 @@ class ManifoldConnection(nn.Module):
         pre, post, res = m.split((n, n, n * n), dim=-1)
         h_pre = torch.sigmoid(self.alpha[0] * pre + self.b_pre)
         h_post = 2 * torch.sigmoid(self.alpha[1] * post + self.b_post)
-        h_res = sinkhorn(self.alpha[2] * res.unflatten(-1, (n, n)) + self.b_res, self.iters)
+        h_res = sinkhorn(self.alpha[2] * res.unflatten(-1, (n, n)) + self.b_res, self.iters, self.impl)
         return h_pre, h_post, h_res
 
 
@@ -136,9 +157,9 @@ class ManifoldHead(nn.Module):
 
     no_weight_decay_params = ("b", "alpha")
 
-    def __init__(self, d_model: int, n: int, eps: float):
+    def __init__(self, d_model: int, n: int, eps: float, impl: str = "auto"):
         super().__init__()
-        self.n, self.eps = n, eps
+        self.n, self.eps, self.impl = n, eps, impl
         self.phi = nn.Linear(n * d_model, n, bias=False)
         self.b = nn.Parameter(torch.empty(n))
         self.alpha = nn.Parameter(torch.empty(1))  # (1,): FSDP2 refuses 0-dim parameters
@@ -152,8 +173,9 @@ class ManifoldHead(nn.Module):
                 self.alpha.fill_(0.01)
 
     def forward(self, X: Tensor) -> Tensor:
-        weights = torch.sigmoid(self.alpha * rms_linear(X.flatten(-2).float(), self.phi.weight, self.eps) + self.b)
-        return stream_read(weights.to(X.dtype), X)
+        m = rms_linear(at_least_fp32(X.flatten(-2)), self.phi.weight, self.eps, self.impl)
+        weights = torch.sigmoid(self.alpha * m + self.b)
+        return stream_read(weights.to(X.dtype), X, self.impl)
 
 
 class MHCStream(ResidualStream):
@@ -162,9 +184,10 @@ class MHCStream(ResidualStream):
         options = cfg.mhc
         self.n = options.streams
         self.recompute = options.recompute
+        self.mixing_impl = impl = cfg.mixing_impl  # a depth loop with two implementations (see compile_blocks)
         self.connections = nn.ModuleList(ManifoldConnection(cfg.d_model, self.n, s, options.sinkhorn_iters,
-                                                            cfg.norm_eps) for s in range(2 * cfg.n_layers))
-        self.head = ManifoldHead(cfg.d_model, self.n, cfg.norm_eps)
+                                                            cfg.norm_eps, impl) for s in range(2 * cfg.n_layers))
+        self.head = ManifoldHead(cfg.d_model, self.n, cfg.norm_eps, impl)
 
     def init_weights(self) -> None:
         for module in (*self.connections, self.head):
@@ -182,8 +205,9 @@ class MHCStream(ResidualStream):
         for i in range(len(ctx.blocks)):
             for s, sublayer in ((2 * i, ctx.attend), (2 * i + 1, ctx.feedforward)):
                 h_pre, h_post, h_res = (c.to(X.dtype) for c in self.connections[s](X, self.recompute))
-                out = sublayer(i, stream_read(h_pre, X).view(B, T, d))
-                X = stream_write(out.view(B * T, d), X, h_res.transpose(-1, -2), h_post)  # H_res X + H_post ⊗ out
+                out = sublayer(i, stream_read(h_pre, X, self.mixing_impl).view(B, T, d))
+                # H_res X + H_post ⊗ out
+                X = stream_write(out.view(B * T, d), X, h_res.transpose(-1, -2), h_post, self.mixing_impl)
         return self.head(X).view(B, T, d)
 
     def mixing_weights(self) -> dict[str, MixingWeight]:
@@ -191,7 +215,7 @@ class MHCStream(ResidualStream):
         with torch.no_grad():
             parts = {"pre": [torch.sigmoid(c.b_pre) for c in self.connections],
                      "post": [2 * torch.sigmoid(c.b_post) for c in self.connections],
-                     "res_diag": [sinkhorn(c.b_res, c.iters).diagonal() for c in self.connections]}
+                     "res_diag": [sinkhorn(c.b_res, c.iters, c.impl).diagonal() for c in self.connections]}
         return {f"mhc/{name}": MixingWeight(torch.stack(rows).float().cpu(), "sublayer (a = attention, m = MLP)",
                                             "stream", 0, row_ticks=[f"{'am'[k % 2]}{k // 2}" for k in range(len(rows))])
                 for name, rows in parts.items()}

@@ -7,7 +7,8 @@ X_{i+1} = a + MLP(Norm(a)). The last DA produces only R, which goes to the final
 
 W_1: d -> K_i with K_i = 4(i+1) for every DA (the last one too; satlab's reading of the spec), init N(0, 1/d);
 W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer. X_0..X_L live in a preallocated
-:class:`~satlab.models.depth_buffer.DepthBuffer` of shape (B, T, L+1, d).
+:class:`~satlab.models.depth_buffer.DepthBuffer` of shape (B, T, L+1, d), or, with the reference mixing
+(``model.mixing_impl``), in a list whose sums are the formula (:class:`~satlab.models.depth_buffer.DepthList`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from satlab.models.architecture import Architecture, MixingWeight, register
-from satlab.models.depth_buffer import DepthBuffer
+from satlab.models.depth_buffer import depth_buffer
 from satlab.models.layers import Block, rms_linear
 from satlab.models.streams import DepthContext, ResidualStream
 
@@ -38,9 +39,9 @@ class MUDDFormerOptions:
 class DepthAggregate(nn.Module):
     no_weight_decay_params = ("static",)
 
-    def __init__(self, d_model: int, n_sources: int, n_outputs: int, eps: float):
+    def __init__(self, d_model: int, n_sources: int, n_outputs: int, eps: float, impl: str = "auto"):
         super().__init__()
-        self.d_model, self.n_sources, self.n_outputs = d_model, n_sources, n_outputs
+        self.d_model, self.n_sources, self.n_outputs, self.impl = d_model, n_sources, n_outputs, impl
         hidden = 4 * n_sources
         self.eps = eps
         self.w1 = nn.Linear(d_model, hidden, bias=False)
@@ -57,7 +58,7 @@ class DepthAggregate(nn.Module):
 
     def forward(self, last: Tensor) -> Tensor:
         """The per-token weights A, (B, T, C, i+1), from X_i = ``last``."""
-        weights = self.w2(F.gelu(rms_linear(last, self.w1.weight, self.eps)))
+        weights = self.w2(F.gelu(rms_linear(last, self.w1.weight, self.eps, self.impl)))
         return weights.view(*last.shape[:-1], self.n_outputs, self.n_sources) + self.static
 
 
@@ -72,9 +73,9 @@ class MUDDStream(ResidualStream):
     def __init__(self, cfg):
         super().__init__(cfg)
         L = cfg.n_layers
-        self.aggregates = nn.ModuleList(
-            DepthAggregate(cfg.d_model, i + 1, 4 if i < L else 1, cfg.norm_eps) for i in range(1, L + 1)
-        )
+        self.mixing_impl = cfg.mixing_impl  # a depth loop with two implementations (see compile_blocks)
+        self.aggregates = nn.ModuleList(DepthAggregate(cfg.d_model, i + 1, 4 if i < L else 1, cfg.norm_eps,
+                                                       cfg.mixing_impl) for i in range(1, L + 1))
         base = cfg.mlp_hidden
         self.widths = realloc_widths(base, L) if cfg.muddformer.ffn_realloc else [base] * L
 
@@ -86,7 +87,7 @@ class MUDDStream(ResidualStream):
             da.init_weights()
 
     def forward(self, x: Tensor, ctx: DepthContext) -> Tensor:
-        sources = DepthBuffer(x, len(ctx.blocks) + 1, dim=-2)
+        sources = depth_buffer(x, len(ctx.blocks) + 1, dim=-2, impl=self.mixing_impl)
         xq = xk = xv = xr = sources.append(x)
         for i in range(len(ctx.blocks)):
             a = ctx.attend(i, xq, xk, xv) + xr

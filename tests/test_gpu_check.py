@@ -1,0 +1,74 @@
+"""The GPU check (scripts/gpu_check.sh, docs/gpu-check.md) run on this CPU, so that it cannot rot between the days
+someone has a GPU: every step it runs there runs here at tiny shapes and must pass. Also what ``train.precision:
+auto`` means on each kind of machine, and the wheelhouse that carries satlab to the GPU image."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from satlab.config.loader import load_experiment
+from satlab.config.schema import ExperimentConfig
+from satlab.training.machine import auto_precision, resolve_precision
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["setup", "bench", "train", "resume", "one-rank", "sharded"]
+"""Every step of the check, in its order; on the CPU none is skipped (the sharded one runs on 2 gloo ranks)."""
+
+
+def test_the_gpu_check_passes_every_step_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check"
+    env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "ARCHS", "GPU_CHECK_BREAK", "DEEP_ARCHS")}
+    env.update(DEVICE="cpu", OUT=str(out), VENV=str(Path(sys.executable).parent.parent))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    printed = proc.stdout[-6000:] + proc.stderr[-2000:]
+    summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
+    rows = dict(re.findall(r"^\| (\S+) \| (PASS|FAIL|SKIP) \|", summary, re.MULTILINE))
+    assert list(rows) == STEPS, f"the summary must list every step once, in order:\n{summary}\n{printed}"
+    failed = [step for step, result in rows.items() if result != "PASS"]
+    assert not failed, f"steps that did not pass: {failed} (logs in {out / 'logs'})\n{printed}"
+    assert proc.returncode == 0, printed
+    for step in STEPS:
+        assert (out / "logs" / f"{step}.log").is_file()
+
+
+def test_precision_auto_is_the_default_and_a_valid_choice() -> None:
+    assert ExperimentConfig().train.precision == "auto"
+    assert load_experiment("default", ["train.precision=auto"]).train.precision == "auto"
+    assert load_experiment("default").train.precision == "32-true"  # the CPU preset says so itself
+
+
+@pytest.mark.parametrize(("cuda", "bf16", "accelerator", "expected"), [
+    (False, False, "auto", "32-true"),        # a CPU machine
+    (True, True, "auto", "bf16-mixed"),       # an A100/H100/H200
+    (True, True, "gpu", "bf16-mixed"),
+    (True, True, "cpu", "32-true"),           # a GPU machine asked to train on its CPU
+    (True, False, "auto", "32-true"),         # a GPU without bf16 arithmetic (V100, T4) would only emulate it
+    (False, False, "gpu", "32-true"),         # Lightning itself reports the missing GPU
+])
+def test_auto_resolves_to_what_the_machine_computes_fast(monkeypatch: pytest.MonkeyPatch, cuda: bool, bf16: bool,
+                                                         accelerator: str, expected: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    assert auto_precision(accelerator) == expected
+    cfg = load_experiment("default", ["train.precision=auto", f"train.accelerator={accelerator}"])
+    assert resolve_precision(cfg).train.precision == expected
+    explicit = load_experiment("default", ["train.precision=16-mixed", f"train.accelerator={accelerator}"])
+    assert resolve_precision(explicit) is explicit
+
+
+def test_the_wheelhouse_carries_what_the_gpu_image_lacks_and_never_its_cuda_stack() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "wheelhouse.py"), "--list"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    carried = {line.split("==")[0] for line in proc.stdout.splitlines() if "==" in line and not line.startswith("#")}
+    assert {"omegaconf", "optuna", "datasets", "lm-eval", "mlflow-skinny", "sqlalchemy", "alembic"} <= carried
+    assert not {name for name in carried if re.match(r"torch|triton|nvidia-|lightning|numpy|pandas", name)}
+    assert "# left out mlflow:" in proc.stdout
