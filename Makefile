@@ -85,10 +85,10 @@ bench: $(STAMP) ## paired throughput/memory/MFU of all architectures (SIZE=tiny,
 # The GPU machine has no network: there the check installs satlab from the wheelhouse (.whl/) instead of make setup.
 GPU_CHECK_VENV := $(if $(and $(wildcard .whl/*.whl),$(if $(wildcard $(VENV)/bin/satlab),,1)),,$(STAMP))
 
-gpu-check: $(GPU_CHECK_VENV) ## bench+train+resume+DDP/FSDP2 of every arch, compiled, bf16 (DEVICE=cpu: tiny, ~2.5 min; OUT=...)
+gpu-check: $(GPU_CHECK_VENV) ## bench+train+resume+DDP/FSDP2 of every arch, compiled, bf16 (DEVICE=cpu: tiny, ~2 min; OUT=...)
 	$(if $(DEVICE),DEVICE=$(DEVICE)) $(if $(OUT),OUT=$(OUT)) bash scripts/gpu_check.sh
 
-wheelhouse: $(STAMP) ## .whl/: CPython 3.12 wheels of satlab and what the GPU image lacks (~25 MiB; docs/gpu-check.md)
+wheelhouse: $(STAMP) ## .whl/: CPython 3.12 wheels of satlab and what the GPU image lacks (~32 MiB; docs/gpu-check.md)
 	$(PY) scripts/wheelhouse.py --dest .whl
 
 clean: ## remove caches (keeps .venv, runs and mlruns)

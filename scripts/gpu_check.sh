@@ -10,8 +10,9 @@
 # Every step runs whatever happened before it, and prints PASS, FAIL or SKIP with its wall time and its log file;
 # the summary table at the end is also written to $OUT/summary.md, and the exit code is 1 if any step failed.
 # Other settings (environment): OUT (default reports/gpu_check; its logs, runs and MLflow store are replaced, its
-# token cache kept), VENV (default .venv, else .venv-gpu built from the wheelhouse .whl/), STEP_TIMEOUT (seconds
-# per command), DEEP_ARCHS (the 24-layer runs), ARCHS (default: every registered architecture).
+# token cache kept), VENV (default .venv, else .venv-gpu built by BASE_PYTHON (python3) from the wheels in
+# WHEELHOUSE (.whl)), STEP_TIMEOUT (seconds per command), ARCHS (default: every registered architecture), DEEP_ARCHS
+# (the 24-layer runs), CPU_THREADS (1), CPU_COMPILE_BACKEND (aot_eager), PARALLEL (1: two lanes of steps on a CPU).
 set -uo pipefail  # no -e: a failed step is reported and the next one runs
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,17 +21,18 @@ case $DEVICE in
   cuda | cpu) ;;
   *) echo "gpu_check: DEVICE must be cuda (the default) or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
-OUT=${OUT:-reports/gpu_check}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-LOGS=$OUT/logs
-rm -rf "$LOGS" "$OUT/runs" "$OUT/artifacts" "$OUT/mlflow.db" "$OUT/summary.md" "$OUT/bench.json"
-mkdir -p "$LOGS"
 ALL_STEPS="setup bench train resume one-rank sharded"
 STEPS=${STEPS:-$ALL_STEPS}
 for s in $STEPS; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "gpu_check: unknown step '$s' in STEPS; steps: $ALL_STEPS" >&2; exit 2; }
 done
+OUT=${OUT:-reports/gpu_check}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+LOGS=$OUT/logs
+rm -rf "$LOGS" "$OUT/runs" "$OUT/artifacts" "$OUT/mlflow.db" "$OUT/summary.md" "$OUT/bench.json"
+mkdir -p "$LOGS"
 BREAK=" ${GPU_CHECK_BREAK:-} "; BREAK=${BREAK//,/ }
+WHEELHOUSE=${WHEELHOUSE:-.whl} BASE_PYTHON=${BASE_PYTHON:-python3}
 
 # Everything stays local: the runs' MLflow store is $OUT/mlflow.db, nothing is fetched from the hub.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MLFLOW_TRACKING_URI="sqlite:///$OUT/mlflow.db" \
@@ -109,18 +111,30 @@ runs() { bounded "$PY" scripts/gpu_check_runs.py train "$@"; }
 step_setup() {
   if [ -n "${VENV:-}" ]; then :
   elif [ -x .venv/bin/satlab ]; then VENV=.venv
-  elif compgen -G ".whl/*.whl" >/dev/null; then
+  elif compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
     VENV=.venv-gpu
     local stamp=$VENV/.installed-from-wheelhouse
-    if [ ! -f "$stamp" ] || [ -n "$(find .whl -name '*.whl' -newer "$stamp")" ]; then
-      echo "installing satlab from the wheelhouse .whl/ into $VENV (system site packages: the machine's torch stays)"
-      python3 -m venv --system-site-packages "$VENV" || return 1
-      "$VENV/bin/pip" install --no-index --no-deps --force-reinstall --no-warn-script-location -q .whl/*.whl \
+    if [ ! -f "$stamp" ] || [ -n "$(find "$WHEELHOUSE" -name '*.whl' -newer "$stamp")" ]; then
+      echo "installing satlab from the wheelhouse $WHEELHOUSE into $VENV (the machine's torch stays)"
+      "$BASE_PYTHON" -m venv --system-site-packages "$VENV" || return 1
+      # The GPU image's python3 is itself a venv's (/opt/torch/.venv): a venv made from it gets the base Python's
+      # site packages, not that venv's, so torch would be missing. A .pth file adds them behind the new venv's own.
+      "$BASE_PYTHON" - "$VENV" <<'PY' || return 1
+import pathlib, subprocess, sys, sysconfig
+venv = pathlib.Path(sys.argv[1])
+if sys.prefix != sys.base_prefix:
+    dirs = list(dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]))
+    site = subprocess.check_output([str(venv / "bin" / "python"), "-c",
+                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    (pathlib.Path(site) / "zz_base_venv.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+    print(f"{venv} also sees {', '.join(dirs)}: {sys.executable} is the venv {sys.prefix}'s")
+PY
+      "$VENV/bin/pip" install --no-index --no-deps --force-reinstall --no-warn-script-location -q "$WHEELHOUSE"/*.whl \
         || return 1
       touch "$stamp"
     fi
   else
-    echo "note: no .venv/bin/satlab and no wheelhouse in .whl/: run make setup (online) or carry a wheelhouse" \
+    echo "note: no .venv/bin/satlab and no wheels in $WHEELHOUSE: run make setup (online), or carry a wheelhouse" \
       "built with make wheelhouse"
     return 1
   fi
@@ -168,9 +182,12 @@ step_bench() {
 import json, sys
 results = json.load(open(sys.argv[1]))["results"]
 slowest = max(results, key=lambda r: r["compile_seconds"])
+mfu = [r["mfu"] for r in results if r.get("mfu") is not None]
 print(f"note: {len(results)} architectures, {min(r['tokens_per_sec'] for r in results):,.0f}-"
-      f"{max(r['tokens_per_sec'] for r in results):,.0f} tokens/s, compile up to {slowest['compile_seconds']:.0f} s "
-      f"({slowest['arch']})")
+      f"{max(r['tokens_per_sec'] for r in results):,.0f} tokens/s"
+      + (f", MFU {100 * min(mfu):.0f}-{100 * max(mfu):.0f} %" if mfu and min(mfu) > 0.01 else "")
+      + f", peak memory up to {max(r['peak_mem_gb'] for r in results):.1f} GB, compile up to "
+      f"{slowest['compile_seconds']:.0f} s ({slowest['arch']})")
 PY
 }
 
@@ -188,10 +205,12 @@ step_resume() {
   if [ ! -f "$OUT/runs/$name/checkpoints/last.ckpt" ]; then
     runs train satformer "$EXPECT_PRECISION" "${TRAIN[@]}" || return 1
   fi
-  echo "--- $name again with train.max_tokens=$((2 * STEPS_PER_RUN * BATCH)), in a new process"
+  echo "--- $name again with train.max_tokens=$((2 * STEPS_PER_RUN * BATCH)), in a new process, with the offline" \
+    "evaluation suite (lm-eval, 8 items per task) at its end"
   # shellcheck disable=SC2046
   bounded "$PY" -m satlab.cli.main train --no-progress "name=$name" model.arch=satformer "${TRAIN[@]}" \
-    train.max_tokens=$((2 * STEPS_PER_RUN * BATCH)) $(broken train.precision=broken-on-purpose) || return 1
+    train.max_tokens=$((2 * STEPS_PER_RUN * BATCH)) eval.at_end=true eval.limit=8 \
+    $(broken train.precision=broken-on-purpose) || return 1
   "$PY" scripts/gpu_check_runs.py resumed "$OUT/runs/$name" "$OUT/mlflow.db" "$STEPS_PER_RUN" $((2 * STEPS_PER_RUN))
 }
 
@@ -232,7 +251,7 @@ lane_a() {
 }
 lane_b() {
   run_step train "satlab train, every architecture + $DEEP_ARCHS at 24 layers, precision auto, compiled" step_train
-  run_step resume "a finished run continued with twice the budget" step_resume
+  run_step resume "a finished run continued with twice the budget, evaluated at its end" step_resume
   run_step one-rank "DDP and FSDP2 (model_parallel) on one device" step_one_rank
 }
 if [ "$DEVICE" = cpu ] && [ "${PARALLEL:-1}" = 1 ]; then

@@ -9,13 +9,13 @@ process, as name PREFIX-<arch>[-<value>...]: the Lightning and MLflow
 imports are paid once, and every architecture compiles in one process, as the bench does. One architecture's
 failure is reported and the next one runs. Under a multi-device strategy Lightning starts the other ranks by running
 this same command again; they run the same loop. Each finished run must have recorded EXPECT_PRECISION (the value
-``train.precision=auto`` resolves to on this machine) in its config.yaml. Ends with one ``note:`` line, which
-gpu_check.sh puts in its summary, and exit code 1 if any architecture failed.
+``train.precision=auto`` resolves to on this machine) in its config.yaml and its MLflow params. Ends with one
+``note:`` line, which gpu_check.sh puts in its summary, and exit code 1 if any architecture failed.
 
 ``resumed`` checks that RUN_DIR, trained to STEPS_BEFORE steps and run again with a larger budget, continued its
 checkpoint rather than starting over: one MLflow run of that name, the same run id as before, FINISHED, validated at
-STEPS_AFTER, and Lightning's log says it restored the checkpoint. Reads the sqlite store directly (no MLflow
-import).
+STEPS_AFTER, the offline evaluation suite's averages logged, and Lightning's log says it restored the checkpoint.
+Reads the sqlite store directly (no MLflow import).
 """
 
 from __future__ import annotations
@@ -133,13 +133,18 @@ def resumed(run_dir: Path, db: Path, steps_before: int, steps_after: int) -> int
             if steps_before not in steps or steps_after not in steps:
                 problems.append(f"val/loss logged at steps {steps}, expected {steps_before} (first run) and "
                                 f"{steps_after} (resumed)")
+            evaluated = store.execute("select count(*) from metrics where run_uuid = ? and key in "
+                                      "('zero_shot/offline_zero_shot_avg', 'zero_shot/offline_retrieval_avg')",
+                                      (run_id,)).fetchone()[0]
+            if not evaluated:
+                problems.append("no zero_shot/offline_*_avg metrics: the evaluation at the end did not log")
     log = (run_dir / "train.log").read_text(errors="replace") if (run_dir / "train.log").exists() else ""
     if "Restored all states from the checkpoint" not in log:
         problems.append(f"{run_dir / 'train.log'} has no 'Restored all states from the checkpoint' line")
     for problem in problems:
         print(f"resume check: {problem}")
     print(f"note: {'resumed' if not problems else 'NOT resumed'}: steps {steps_before} -> {steps_after}, one MLflow "
-          f"run ({info['mlflow_run_id'][:8]})")
+          f"run ({info['mlflow_run_id'][:8]}), offline suite evaluated")
     return 1 if problems else 0
 
 

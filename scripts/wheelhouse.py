@@ -86,9 +86,9 @@ LEAVE_OUT = {
     # mlflow proper is the tracking server and its web UI (a 25 MB wheel of JavaScript, plus Flask, gunicorn,
     # docker, graphene, huey, skops, cryptography): satlab logs through the client in mlflow-skinny (the same
     # `mlflow` package) into a sqlite store, which needs only SQLAlchemy and alembic besides. Browse the store with
-    # `make ui` on a machine with the full install.
+    # `make ui` on a machine with the full install. (databricks-sdk, which only Databricks workspaces use, is carried:
+    # `import mlflow` looks for `databricks.agents` and fails without the `databricks` package.)
     "mlflow": "server and web UI only; the client (mlflow-skinny, carried) writes the sqlite store",
-    "databricks-sdk": "Databricks workspaces only (mlflow-skinny imports it lazily)",
     # lm-eval's own dependencies for metrics that the offline suite does not compute (BLEU/ROUGE/word-number
     # scoring and the `evaluate` metric hub); the check trains with eval.at_end=false, and satlab's tasks score
     # with acc/exact match. They are imported lazily by lm-eval.
