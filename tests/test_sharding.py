@@ -42,7 +42,7 @@ def prepared(arch: str, mode: str, mesh=None) -> torch.nn.Module:
     if mode == "checkpointed":
         checkpoint_blocks(model)
     if mode == "compiled":
-        compile_blocks(model, backend="aot_eager", fullgraph=True)
+        compile_blocks(model, backend="aot_eager", fullgraph=True, whole_loop=mesh is None)
     if mesh is not None:
         shard_model(model, mesh, "32-true")
     return model

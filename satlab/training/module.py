@@ -70,7 +70,7 @@ class LMModule(L.LightningModule):
         if train.activation_checkpointing and train.strategy != "fsdp":  # Lightning's FSDP wraps the blocks itself
             checkpoint_blocks(self.model)
         if train.compile:  # after the checkpoint wrappers, so that compile traces the recomputed regions too
-            compile_blocks(self.model)
+            compile_blocks(self.model, whole_loop=train.strategy not in ("fsdp", "model_parallel"))
         if train.strategy == "model_parallel":
             shard_model(self.model, self.device_mesh["data_parallel"], train.precision)
 

@@ -50,36 +50,30 @@ process that compiles several architectures (the bench, the GPU check, a test) n
 recompile within one architecture is still an error there (``error_on_recompile``)."""
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
+def compile_blocks(model: nn.Module, backend: str = "inductor", fullgraph: bool = True,
+                   whole_loop: bool = True) -> None:
     """Compile each block in place. Depth loops that rewire sublayers (hyper-connections, MUDD) call them through
     the block's forward (``part=``), so one compiled forward serves every depth loop.
 
-    A depth loop with mixing of its own (it has a ``mixing_impl``: hyper-connections, mHC, MUDDFormer, DenseFormer,
-    AttnRes) is compiled whole as well, so that inductor fuses the mixing between the blocks: one graph of the
-    unrolled loop, the blocks traced inline. That graph is only used where the mixing resolves to its reference
-    (``model.mixing_impl``: always on a GPU with ``auto``): the hand-written functions are for eager CPU runs, and
-    the model is on the CPU here, moved to its device later (Lightning), so the choice is made per call. Blocks
-    sharded by FSDP when the loop is called keep the per-block graphs: dynamo does not trace through FSDP's hooks
-    in one graph."""
+    With ``whole_loop``, a depth loop with mixing of its own (it has a ``mixing_impl``: hyper-connections, mHC,
+    MUDDFormer, DenseFormer, AttnRes) is compiled whole as well, so that inductor fuses the mixing between the
+    blocks: one graph of the unrolled loop, the blocks traced inline. That graph is only used where the mixing
+    resolves to its reference (``model.mixing_impl``: always on a GPU with ``auto``): the hand-written functions
+    are for eager CPU runs, and the model is on the CPU here, moved to its device later (Lightning), so the choice
+    is made per call. A model that FSDP will shard passes ``whole_loop=False`` and keeps the per-block graphs:
+    dynamo does not trace through FSDP's hooks in one graph."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
     stream, impl = model.stream, getattr(model.stream, "mixing_impl", None)
-    if impl is None or impl == "handwritten":
+    if not whole_loop or impl is None or impl == "handwritten":
         return
     from satlab.models.layers import handwritten
 
     loop, eager = torch.compile(stream.forward, backend=backend, fullgraph=fullgraph), stream.forward
 
-    def sharded() -> bool:
-        if not torch.distributed.is_available():
-            return False
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        return any(isinstance(block, (FSDPModule, FullyShardedDataParallel)) for block in model.blocks)
-
     def forward(x: torch.Tensor, ctx) -> torch.Tensor:
-        return eager(x, ctx) if handwritten(impl, x) or sharded() else loop(x, ctx)
+        return eager(x, ctx) if handwritten(impl, x) else loop(x, ctx)
 
     stream.forward = forward
 
