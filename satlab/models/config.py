@@ -1,7 +1,7 @@
 """Model configuration: the backbone's sizes and init, and one section per registered architecture with options
 (``model.satformer``, ``model.mhc``, ...: the architecture's own options dataclass), named size presets, validation.
 
-Sizes follow ``shared/spec/architectures.md`` (the paper's presets, head dim 64, SwiGLU width as in the reference
+Sizes follow ``docs/architectures.md`` (the paper's presets, head dim 64, SwiGLU width as in the reference
 code). ``tiny`` is satlab's own CPU size. Any of ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``,
 ``mlp_hidden``, ``vocab_size`` and ``max_seq_len`` left at ``None`` is filled from the preset by
 :func:`resolve_model_config`.

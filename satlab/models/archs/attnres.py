@@ -1,5 +1,5 @@
 """Attention Residuals (Kimi, arXiv 2603.15031): every sublayer reads a softmax-weighted sum over the earlier
-sublayers' outputs instead of a residual stream (``shared/spec/more-baselines.md``). Two architectures:
+sublayers' outputs instead of a residual stream (``docs/architectures.md``). Two architectures:
 
 - ``attnres`` (Full): h_s = Σ_{j≤s} α_{j→s} v_j with v_0 = X_0 (the embedding), v_{j+1} = F_j(h_j) the raw sublayer
   outputs, α_{j→s} = softmax_j(w_sᵀ RMSNorm(v_j)). No ``x + f`` remains. An extra query w_out attends over all

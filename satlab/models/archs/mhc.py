@@ -1,5 +1,5 @@
-"""Manifold-constrained hyper-connections (mHC, DeepSeek, arXiv 2512.24880), n residual streams, exactly as
-``shared/spec/more-baselines.md`` states it.
+"""Manifold-constrained hyper-connections (mHC, DeepSeek, arXiv 2512.24880), n residual streams, as
+``docs/architectures.md`` describes it.
 
 X (B, T, n, d) starts as n copies of the embedding. Per sublayer s, from x̃ = vec(X) and r = ‖x̃‖/√(nd) (per token,
 fp32): m = x̃φ/r split [pre n | post n | res n²], H_pre = σ(α_pre·m_pre + b_pre), H_post = 2σ(α_post·m_post + b_post),

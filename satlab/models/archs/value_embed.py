@@ -1,6 +1,6 @@
 """Value embeddings as in the modded-nanogpt speed records: V'_n = V_n + g_n ⊙ E_n[t] in a few layers, where E_n is
 a free per-layer table over the vocabulary (width d_kv) and g_n = 2σ(W_n·[h_n[:6], E_n[t][:6]]) one gate per KV
-head (``shared/spec/more-baselines.md``).
+head (``docs/architectures.md``).
 
 Layout: tables in layers 1, 2 and the last three (modded-nanogpt's five at L = 11; at fewer layers the set is
 whatever of those exists). Zoo choices, per the spec: width d_kv (n_kv_heads · head_dim), a gate per KV head, h_n the
