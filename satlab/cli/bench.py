@@ -112,16 +112,17 @@ def results_table(results, overhead: dict | None, args) -> Table:
     compiled = ", compiled" if args.compile else ""
     table = Table(title=f"training throughput at size '{args.size}', batch {args.batch} x {args.seq_len}, "
                         f"{args.precision}{compiled} ({rounds} paired rounds)")
+    compile_columns = ("compile s", "graphs") if args.compile else ()  # graphs: new ones (0: reused another's)
     for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch} [95 % CI]", "mem GB",
-                   "mem ratio", "TFLOP/s", "MFU", "compile s", "graphs"):
+                   "mem ratio", "TFLOP/s", "MFU", *compile_columns):
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
     for r in results:
+        compiled_cells = (f"{r.compile_seconds:.1f}", str(r.graphs)) if args.compile else ()
         table.add_row(r.arch, f"{r.params / 1e6:.2f}M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
                       f"{r.tokens_per_sec:,.0f}", "1" if r.ratio is None else
                       f"{r.ratio.mean:.3f} [{r.ratio.low:.3f}, {r.ratio.high:.3f}]",
                       f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
-                      "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", f"{r.compile_seconds:.1f}",
-                      "—" if r.graphs is None else str(r.graphs))
+                      "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", *compiled_cells)
     if overhead:
         table.caption = overhead_line(overhead)
     return table
