@@ -88,7 +88,7 @@ def test_each_preset_says_what_it_reproduces(size: str, arch: str) -> None:
         assert text.startswith(f"# Reproduces the paper's {size} ")
         assert "Paper presets" in text
     else:  # not a reproduction: the paper's setting with a later baseline
-        assert text.startswith(f"# The paper's {size} ") and "did not run" in text and "more-baselines.md" in text
+        assert text.startswith(f"# The paper's {size} ") and "did not run" in text and "docs/architectures.md" in text
 
 
 @pytest.mark.parametrize("size", PAPER)
