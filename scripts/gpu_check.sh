@@ -35,7 +35,7 @@ BREAK=" ${GPU_CHECK_BREAK:-} "; BREAK=${BREAK//,/ }
 WHEELHOUSE=${WHEELHOUSE:-.whl} BASE_PYTHON=${BASE_PYTHON:-python3}
 
 # Everything stays local: the runs' MLflow store is $OUT/mlflow.db, nothing is fetched from the hub.
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MLFLOW_TRACKING_URI="sqlite:///$OUT/mlflow.db" \
+export PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI="sqlite:///$OUT/mlflow.db" \
   MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
 if [ "$DEVICE" = cuda ]; then

@@ -4,7 +4,6 @@
 # Lightning detects the torchelastic environment, so it does not launch processes itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export TOKENIZERS_PARALLELISM=false
 .venv/bin/torchrun --nnodes="${NNODES:-1}" --nproc-per-node="${NPROC:-8}" --rdzv-backend=c10d \
   --rdzv-endpoint="${RDZV_ENDPOINT:-127.0.0.1:29500}" --rdzv-id="${RDZV_ID:-satlab}" \
   -m satlab.cli.main train --no-progress "$@" train.num_nodes="${NNODES:-1}" train.devices="${NPROC:-8}" \

@@ -151,3 +151,29 @@ def test_freed_memory_stays_in_the_process_so_the_next_step_does_not_fault_its_p
     assert runs["keep"][0] == "True"
     assert int(runs["default"][1]) >= 5 * 2 * 16_384
     assert int(runs["keep"][1]) < int(runs["default"][1]) / 3
+
+
+def test_the_data_bench_measures_each_process_count_and_extrapolates_to_the_presets(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = tmp_path / "data.json"
+    assert main(["bench", "--data", "--documents", "300", "--procs", "2,1", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["num_proc"] for r in report["runs"]] == [1, 2] and report["identical"]
+    assert report["runs"][0]["speedup"] == 1 and all(r["tokens_per_s"] > 0 and r["peak_gb"] > 0.05
+                                                     for r in report["runs"])
+    presets = report["extrapolation"]["presets"]
+    assert list(presets) == ["small", "medium", "large", "xl"] and presets["small"]["tokens"] == 6_600_000_000
+    hours = presets["xl"]["hours"]
+    assert hours["8"] > hours["32"] >= hours["64"] > 0  # more cores, less time, until the one reader is the limit
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run, = client.search_runs([client.get_experiment_by_name("bench").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "bench/data/tokens_per_s")) == [1, 2]
+
+
+@pytest.mark.parametrize("args", [["--procs", "0"], ["--procs", "one"], ["--documents", "10"], ["--repeats", "0"]])
+def test_bad_data_bench_settings_are_refused(args, tmp_path, capsys):
+    assert main(["bench", "--data", *args, "--no-mlflow", "--out", str(tmp_path / "d.json")]) == 2
+    assert not (tmp_path / "d.json").exists()
+    assert args[0] in capsys.readouterr().err

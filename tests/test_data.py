@@ -91,7 +91,7 @@ def test_byte_tokenizer_round_trips(tmp_path: Path) -> None:
 def test_embedded_corpus_loads_through_datasets(tmp_path: Path, load_calls: list) -> None:
     data = prepare_data(data_cfg(tmp_path), progress=False)
     json_calls = [kw["data_files"] for path, kw in load_calls if path == "json"]
-    assert json_calls and all("corpora/shakespeare" in f for f in json_calls[0].values())
+    assert json_calls and all("corpora/shakespeare" in f for files in json_calls for f in files)
     meta = data.meta
     assert meta["documents"] == {"train": 38, "validation": 2, "test": 2}
     assert 4.5e6 < sum(meta["text_bytes"].values()) < 5.5e6
@@ -135,7 +135,9 @@ def test_local_files_load_through_datasets(tmp_path: Path, load_calls: list) -> 
     data = prepare_data(data_cfg(tmp_path / "cache", str(folder), text_field="body", val_fraction=0.2), progress=False)
     builders = {path: kw for path, kw in load_calls}
     assert builders["text"]["sample_by"] == "document" and len(builders["text"]["data_files"]) == 30
-    assert builders["json"]  # the source's jsonl rows, and the split files read back
+    assert builders["json"]["data_files"] == [str(folder / "rows.jsonl")]  # the source itself, not a copy of it
+    copies = [p for p in (tmp_path / "cache").rglob("*") if p.suffix in (".jsonl", ".txt", ".parquet")]
+    assert not copies, f"the documents were copied: {copies}"
     assert sum(data.meta["documents"].values()) == 30 + 40 and min(data.meta["documents"].values()) > 0
     docs = [d for s in ("train", "validation", "test") for d in data.tokenizer.decode(data.open(s).tolist())
             .split("<|endoftext|>")[:-1]]
@@ -290,14 +292,15 @@ def test_hub_tokenizer_finds_eos_and_is_kept(tmp_path: Path, monkeypatch: pytest
 
 
 def test_failed_preparation_leaves_no_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(documents, num_documents, tokenizer, directory: Path, progress: bool):
+    def crash(segments, tokenizer, directory: Path, *args, **kwargs):
         (directory / "train.bin").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module, "pack_splits", crash)
+    monkeypatch.setattr(prepare_module, "pack_documents", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(data_cfg(tmp_path), progress=False)
-    assert list((tmp_path / "tokens").iterdir()) == []
+    assert [p.name for p in (tmp_path / "tokens").iterdir() if not p.name.startswith(".")] == []
+    assert prepare_module.find_prepared(data_cfg(tmp_path)) is None
 
 
 def test_a_cache_entry_prepared_meanwhile_is_kept_and_a_stale_one_replaced(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""`satlab bench`: training throughput, memory and MFU of several architectures side by side (`make bench`)."""
+"""`satlab bench`: training throughput, memory and MFU of several architectures side by side (`make bench`);
+with `--data`, the data preparation's rate, memory and disk; with `--recall`, the synthetic-recall path."""
 
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ def run(args: argparse.Namespace) -> int:
                                ("--warmup", args.warmup, 0), ("--ci-target", args.ci_target, 0)):
         if value < least:
             problems.append(f"{name} must be >= {least}, got {value}")
-    depths = parse_depths(args.depths, problems)
+    depths = parse_counts(args.depths, problems)
     if problem := device_problem(args.device, "--device"):
         problems.append(problem)
+    procs = parse_counts(args.procs, problems, "--procs", "process counts") if args.data else []
+    if args.data and args.repeats < 1:
+        problems.append(f"--repeats must be >= 1, got {args.repeats}")
+    if args.data and args.documents < 100:
+        problems.append(f"--documents must be >= 100 (three splits need documents), got {args.documents}")
     if problems:
         raise ConfigError(problems)
+    if args.data:
+        return run_data(args, procs)
     if args.recall:
         return run_recall(args)
     args.batch, args.seq_len = args.batch or 8, args.seq_len or 256
@@ -74,12 +82,87 @@ def run(args: argparse.Namespace) -> int:
     if args.ci_target and widest > args.ci_target:
         print(f"the widest ratio interval is ± {100 * widest:.1f} %, not the ± {100 * args.ci_target:g} % asked for, "
               f"after {args.max_rounds} rounds (--max-rounds); a busy machine widens it, more rounds narrow it")
+    save_report(report, out, None if args.no_mlflow else log_to_mlflow)
+    return 0
+
+
+def save_report(report: dict, out: Path, log=None) -> None:
+    """Write the bench JSON and, with ``log`` (a function of the report and the JSON's path), its MLflow run."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
-    if not args.no_mlflow:
-        print(f"MLflow run {log_to_mlflow(report, out)} in experiment 'bench'")
+    if log is not None:
+        print(f"MLflow run {log(report, out)} in experiment 'bench'")
+
+
+def run_data(args: argparse.Namespace, procs: list[int]) -> int:
+    """`satlab bench --data`: preparation rate, memory and disk at each process count, and the paper presets' time."""
+    from satlab.bench.data import CORES, data_bench
+
+    out = Path(args.out if args.out != "reports/bench.json" else "reports/bench_data.json")
+    report = data_bench(out.parent / "bench_data", documents=args.documents, procs=tuple(procs),
+                        repeats=args.repeats)
+    console = make_console()
+    table = Table(title=f"data preparation: {report['documents']:,} FineWeb-shaped documents "
+                        f"({report['text_bytes'] / 1e6:,.0f} MB of text), BPE {report['vocab_size']}, "
+                        f"{report['tokens'] / 1e6:,.1f} M tokens")
+    for column in ("processes", "seconds (best)", "docs/s", "tokens/s", "speed-up [range]", "peak GB",
+                   "GB 2nd → 4th quarter"):
+        table.add_column(column, justify="right")
+    for run in report["runs"]:
+        table.add_row(str(run["num_proc"]), f"{run['seconds']:.1f}", f"{run['docs_per_s']:,.0f}",
+                      f"{run['tokens_per_s']:,.0f}",
+                      f"{run['speedup']:.2f} [{run['speedup_range'][0]:.2f}, {run['speedup_range'][1]:.2f}]",
+                      f"{run['peak_gb']:.2f}",
+                      f"{run['second_quarter_gb']:.2f} → {run['last_quarter_gb']:.2f}")
+    table.caption = (f"cold (BPE training + {report['cold']['num_proc']} processes): {report['cold']['seconds']:.0f} s;"
+                     f" token files identical at every count: {'yes' if report['identical'] else 'NO'}; reading "
+                     f"alone: {report['read']['rows_per_s']:,.0f} rows/s; text {report['text_bytes'] / 1e6:,.0f} MB "
+                     f"-> token files {report['token_bytes'] / 1e6:,.0f} MB")
+    console.print(table)
+    extrapolation = report["extrapolation"]
+    presets = Table(title=f"paper presets: hours to prepare at {extrapolation['per_core_tokens_per_s']:,.0f} tokens/s "
+                          f"per core, {100 * extrapolation['efficiency']:.0f} % scaling efficiency, at most "
+                          f"{extrapolation['reader_core_ceiling']:,.0f} cores fed by one reader")
+    presets.add_column("preset")
+    presets.add_column("Llama-2 tokens", justify="right")
+    for cores in CORES:
+        presets.add_column(f"{cores} cores", justify="right")
+    for size, row in extrapolation["presets"].items():
+        presets.add_row(size, f"{row['tokens'] / 1e9:.1f} B", *(f"{row['hours'][c]:.1f} h" for c in CORES))
+    console.print(presets)
+    save_report(report, out, None if args.no_mlflow else log_data_to_mlflow)
     return 0
+
+
+def log_data_to_mlflow(report: dict, json_path: Path) -> str:
+    """One MLflow run 'bench-data' in experiment 'bench': every rate at step = processes, the presets' hours at
+    step = cores, the JSON as an artifact."""
+    import mlflow
+
+    from satlab.training.tracking import experiment_id, open_store, provenance_tags, resolve_tracking
+
+    uri, artifacts = resolve_tracking(None, None)
+    open_store(uri)
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(experiment_id(client, "bench", artifacts), run_name="bench-data",
+                            tags=provenance_tags("data", "bench"))
+    run_id = run.info.run_id
+    for key in ("documents", "vocab_size"):
+        client.log_param(run_id, key, report[key])
+    for key in ("text_bytes", "tokens", "token_bytes", "parquet_bytes"):
+        client.log_metric(run_id, f"bench/data/{key}", float(report[key]))
+    client.log_metric(run_id, "bench/data/cold_seconds", report["cold"]["seconds"])
+    client.log_metric(run_id, "bench/data/read_rows_per_s", report["read"]["rows_per_s"])
+    for r in report["runs"]:
+        for key in ("seconds", "docs_per_s", "tokens_per_s", "speedup", "peak_gb", "last_quarter_gb"):
+            client.log_metric(run_id, f"bench/data/{key}", float(r[key]), step=r["num_proc"])
+    for size, row in report["extrapolation"]["presets"].items():
+        for cores, hours in row["hours"].items():
+            client.log_metric(run_id, f"bench/data/hours_{size}", hours, step=cores)
+    client.log_artifact(run_id, str(json_path))
+    client.set_terminated(run_id)
+    return run_id
 
 
 def run_recall(args: argparse.Namespace) -> int:
@@ -134,18 +217,19 @@ def overhead_line(overhead: dict) -> str:
             f"({1e3 * overhead['lightning_step_s']:.1f} ms vs {1e3 * overhead['bare_step_s']:.1f} ms)")
 
 
-def parse_depths(text: str | None, problems: list[str]) -> list[int]:
-    """``--depths 6,12,24`` as layer counts; what is not a positive integer goes to ``problems``."""
+def parse_counts(text: str | None, problems: list[str], option: str = "--depths", what: str = "layer counts",
+                 example: str = "6,12,24") -> list[int]:
+    """``--depths 6,12,24`` (or ``--procs 1,2``) as positive integers; anything else goes to ``problems``."""
     if not text:
         return []
     try:
-        depths = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        depths = []
-    if not depths or any(d < 1 for d in depths):
-        problems.append(f"--depths takes comma-separated layer counts >= 1 (e.g. 6,12,24), got {text!r}")
+        values = []
+    if not values or any(v < 1 for v in values):
+        problems.append(f"{option} takes comma-separated {what} >= 1 (e.g. {example}), got {text!r}")
         return []
-    return sorted(set(depths))
+    return sorted(set(values))
 
 
 def depth_table(sweep: dict, overheads: dict, args) -> Table:

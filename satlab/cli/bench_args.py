@@ -27,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overhead", action="store_true", help="skip the Lightning vs bare-loop measurement")
     parser.add_argument("--out", default="reports/bench.json", help="JSON output (default: reports/bench.json)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
+    parser.add_argument("--data", action="store_true",
+                        help="instead: data preparation (documents and tokens per second at --procs processes, "
+                             "memory, disk) on a generated FineWeb-shaped parquet, extrapolated to the paper presets")
+    parser.add_argument("--documents", type=int, default=40_000, help="--data: rows of the generated corpus")
+    parser.add_argument("--procs", default="1,2", help="--data: process counts to measure (default: 1,2)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="--data: tries per process count, interleaved; the fastest counts (default: 2)")
     parser.add_argument("--recall", action="store_true",
                         help="instead: the synthetic-recall path (experiments/recall/mqar) against a plain PyTorch "
                              "loop, with the time per phase")

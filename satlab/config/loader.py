@@ -52,6 +52,7 @@ _RANGES: dict[str, Range] = {
     "optim.min_lr_ratio": (0, 1, False), "optim.grad_clip": (0, 1e6, False),
     "optim.gate_lr_multiplier": (0, 1e4, True),
     "data.seq_len": (1, 2**22, False), "data.val_fraction": (0, 0.999, False), "data.num_workers": (0, 256, False),
+    "data.num_proc": (1, 4096, False), "data.prepare_timeout_s": (0, 10**7, True),
     "data.hub_max_documents": (1, 10**12, False), "data.tokenizer.vocab_size": (1, 10**7, False),
     "data.mqar.vocab_size": (1, 10**7, False), "data.mqar.num_pairs": (1, 10**6, False),
     "data.mqar.num_queries": (1, 10**6, False), "data.mqar.eval_sequences": (1, 10**7, False),

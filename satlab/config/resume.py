@@ -18,7 +18,8 @@ RESUMABLE = (
     "train.ckpt_every_tokens", "train.keep_last_k", "train.log_every_n_steps", "train.max_skipped_steps",
     "train.resume", "train.micro_batch_size", "train.precision", "train.compile", "train.accelerator",
     "train.devices", "train.num_nodes", "train.strategy", "train.data_parallel_size",
-    "train.activation_checkpointing", "train.deterministic", "data.num_workers", "data.cache_dir",
+    "train.activation_checkpointing", "train.deterministic", "data.num_workers", "data.num_proc",
+    "data.prepare_per_node", "data.prepare_timeout_s", "data.cache_dir",
     "data.mqar.stop_at_acc", "model.mixing_impl", "eval.", "tracking.",
 )
 """Keys (or ``section.`` prefixes) a resumed run may change."""

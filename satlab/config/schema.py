@@ -125,6 +125,12 @@ class DataConfig:
     order; each share in (0, 0.5], all together < 1; ``{}`` (the default) mixes nothing. Validation and test stay
     the pure corpus, so validation loss compares across runs with and without a mix, and the BPE tokenizer is
     trained on the corpus only, so the corpus is tokenized the same either way.
+
+    Preparation (tokenizing and packing, once per data configuration, cached under ``cache_dir``) runs in
+    ``num_proc`` processes (``None``: every core this process may use); the token files do not depend on it. In a
+    multi-process job one process prepares: global rank 0, or local rank 0 of every node with
+    ``prepare_per_node`` (for nodes that share no filesystem under ``cache_dir``); the others wait for it, and give
+    up with an error when it shows no sign of life for ``prepare_timeout_s`` seconds.
     """
 
     source: str = "shakespeare"
@@ -137,6 +143,9 @@ class DataConfig:
     val_fraction: float = 0.05
     cache_dir: str = ".cache/satlab"
     num_workers: int = 0
+    num_proc: int | None = None
+    prepare_per_node: bool = False
+    prepare_timeout_s: float = 600.0
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     mix: dict[str, float] = field(default_factory=dict)
     mqar: MQARConfig = field(default_factory=MQARConfig)

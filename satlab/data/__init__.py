@@ -7,21 +7,33 @@ Typical use::
     train = TrainBatches(data, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed, start_token=position)
     loader = DataLoader(train, batch_size=None, num_workers=cfg.data.num_workers)
     val = ValidationWindows(data, cfg.data.seq_len, cfg.train.val_tokens)
+
+The names below are imported on first use (PEP 562), so that a tokenizing worker process, which imports only
+:mod:`satlab.data.pack_worker`, starts without torch or ``datasets``.
 """
 
-from satlab.data.corpora import CORPORA, available_corpora, ensure_corpus
-from satlab.data.prepare import PreparedData, prepare_data
-from satlab.data.sampler import TrainBatches, ValidationWindows
-from satlab.data.tokenizer import TextTokenizer, build_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "CORPORA",
-    "PreparedData",
-    "TextTokenizer",
-    "TrainBatches",
-    "ValidationWindows",
-    "available_corpora",
-    "build_tokenizer",
-    "ensure_corpus",
-    "prepare_data",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CORPORA": "satlab.data.corpora",
+    "available_corpora": "satlab.data.corpora",
+    "ensure_corpus": "satlab.data.corpora",
+    "PreparedData": "satlab.data.prepare",
+    "find_prepared": "satlab.data.prepare",
+    "prepare_data": "satlab.data.prepare",
+    "TrainBatches": "satlab.data.sampler",
+    "ValidationWindows": "satlab.data.sampler",
+    "TextTokenizer": "satlab.data.tokenizer",
+    "build_tokenizer": "satlab.data.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'satlab.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

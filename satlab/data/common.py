@@ -1,18 +1,19 @@
-"""Shared helpers of the data pipeline: the document split rule, hashing, atomic cache directories and the jsonl
-split files every source is turned into (``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` plus ``meta.json``).
+"""Shared helpers of the data pipeline: the document split rule, hashing, atomic cache directories, JSON files and
+the progress display. Light on purpose (no torch, no ``datasets``): the tokenizing worker processes import it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -22,7 +23,6 @@ from rich.progress import (
     Task,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.text import Text
 
@@ -64,6 +64,14 @@ def hash_split_rule(val_fraction: float, key: str) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    """The file's content hash, computed once per process for each (path, size, modification time): a process
+    waiting for another to prepare the data asks for it every few seconds."""
+    stat = path.stat()
+    return _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=65536)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -111,41 +119,6 @@ def atomic_directory(target: Path, is_current: Callable[[Path], bool] | None = N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class SplitWriter:
-    """Writes documents (dicts with at least ``text``) into the three jsonl split files of a directory.
-
-    Use as a context manager; :meth:`summary` gives the document counts, text sizes and file hashes that go into
-    ``meta.json`` and into the cache keys of everything derived from these files.
-    """
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.documents = dict.fromkeys(SPLITS, 0)
-        self.text_bytes = dict.fromkeys(SPLITS, 0)
-        self._stack = ExitStack()
-        self.files: dict[str, TextIO] = {}
-
-    def add(self, split: str, doc: dict[str, Any]) -> None:
-        self.files[split].write(json.dumps(doc, ensure_ascii=False) + "\n")
-        self.documents[split] += 1
-        self.text_bytes[split] += len(doc["text"].encode("utf-8"))
-
-    def __enter__(self) -> SplitWriter:
-        for s in SPLITS:
-            self.files[s] = self._stack.enter_context(open(self.directory / f"{s}.jsonl", "w", encoding="utf-8"))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "documents": dict(self.documents),
-            "text_bytes": dict(self.text_bytes),
-            "sha256": {s: file_sha256(self.directory / f"{s}.jsonl") for s in SPLITS},
-        }
-
-
 def require_nonempty_splits(meta: dict[str, Any], description: str) -> None:
     """Train and validation must hold documents; test may be empty (evaluation then has nothing to score)."""
     docs = meta["documents"]
@@ -159,11 +132,40 @@ def require_nonempty_splits(meta: dict[str, Any], description: str) -> None:
         )
 
 
+def si(value: float, unit: str = "") -> str:
+    """``1.23 k``, ``45.6 M``, ``7.89 G``: a count or size in three significant digits."""
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(value) < 999.5 or prefix == "P":
+            return f"{value:.3g} {prefix}{unit}".rstrip()
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
 class _RateColumn(ProgressColumn):
-    """Documents per second (rich only ships a bytes-per-second column)."""
+    """Documents (and, where counted, tokens) per second, averaged since this process started the task: rich's own
+    speed estimate needs several updates within its window and shows nothing for a fast or slow-starting task."""
 
     def render(self, task: Task) -> Text:
-        return Text(f"{task.speed or 0:,.0f} docs/s", style="progress.data.speed")
+        elapsed = task.elapsed or 0.0
+        if elapsed <= 0:
+            return Text("")
+        docs = (task.completed - task.fields.get("start_rows", 0)) / elapsed
+        text = f"{si(docs)} docs/s"
+        if "tokens" in task.fields:
+            text += f" {si((task.fields['tokens'] - task.fields.get('start_tokens', 0)) / elapsed)} tok/s"
+        return Text(text, style="progress.data.speed")
+
+
+class _RemainingColumn(ProgressColumn):
+    """Time left at the average rate since the start (blank when the total is unknown)."""
+
+    def render(self, task: Task) -> Text:
+        done = task.completed - task.fields.get("start_rows", 0)
+        if task.total is None or not task.elapsed or done <= 0:
+            return Text("")
+        seconds = int((task.total - task.completed) * task.elapsed / done)
+        return Text(f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}",
+                    style="progress.remaining")
 
 
 def make_progress(enabled: bool) -> Progress:
@@ -174,6 +176,6 @@ def make_progress(enabled: bool) -> Progress:
         MofNCompleteColumn(),
         _RateColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        _RemainingColumn(),
         disable=not enabled,
     )

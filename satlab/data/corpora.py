@@ -20,22 +20,25 @@ from __future__ import annotations
 import configparser
 import html
 import importlib.util
+import json
 import os
 import platform
 import re
 import sqlite3
 import sysconfig
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from satlab.config.errors import ConfigError, did_you_mean
 from satlab.data.common import (
     META_FILE,
-    SplitWriter,
+    SPLITS,
     atomic_directory,
     check_val_fraction,
+    file_sha256,
     hash_split,
     hash_split_rule,
     read_json,
@@ -64,6 +67,41 @@ class CorpusSpec:
     """How documents are assigned to splits; recorded in the metadata."""
     documents: Callable[[Path], Iterator[dict[str, str]]]
     """Yields ``{"id", "title", "text"}`` from the data folder."""
+
+
+class SplitWriter:
+    """Writes documents (dicts with at least ``text``) into the three jsonl split files of a directory.
+
+    Use as a context manager; :meth:`summary` gives the document counts, text sizes and file hashes that go into
+    ``meta.json`` and into the cache keys of everything derived from these files.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.documents = dict.fromkeys(SPLITS, 0)
+        self.text_bytes = dict.fromkeys(SPLITS, 0)
+        self._stack = ExitStack()
+        self.files: dict[str, TextIO] = {}
+
+    def add(self, split: str, doc: dict[str, Any]) -> None:
+        self.files[split].write(json.dumps(doc, ensure_ascii=False) + "\n")
+        self.documents[split] += 1
+        self.text_bytes[split] += len(doc["text"].encode("utf-8"))
+
+    def __enter__(self) -> SplitWriter:
+        for s in SPLITS:
+            self.files[s] = self._stack.enter_context(open(self.directory / f"{s}.jsonl", "w", encoding="utf-8"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "documents": dict(self.documents),
+            "text_bytes": dict(self.text_bytes),
+            "sha256": {s: file_sha256(self.directory / f"{s}.jsonl") for s in SPLITS},
+        }
 
 
 def _package_dir(module: str) -> Path | None:
@@ -179,6 +217,16 @@ def _signature(name: str, val_fraction: float) -> dict[str, Any]:
     if name == "pystdlib":
         signature["python_version"] = platform.python_version()
     return signature
+
+
+def corpus_identity(name: str, val_fraction: float) -> dict[str, Any]:
+    """What identifies the documents and splits of corpus ``name`` without reading it: the build version, the split
+    rule and, for ``pystdlib``, the Python version (the packages' data are pinned by :data:`CORPORA`)."""
+    if name not in CORPORA:
+        raise _missing_corpus_error(name)
+    if name != "shakespeare":
+        check_val_fraction(val_fraction)
+    return {"kind": "corpus", "name": name, **_signature(name, val_fraction)}
 
 
 def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float) -> tuple[Path, dict[str, Any]]:

@@ -2,50 +2,49 @@
 
 Steps, each cached under ``data.cache_dir`` and skipped when its cache entry exists:
 
-1. resolve ``data.source`` and write its documents into jsonl split files (``corpora/<name>/`` or
-   ``sources/<hash>/``);
-2. build the tokenizer (a ``bpe`` one is trained on the corpus' train split, never on synthetic documents;
-   ``tokenizers/``);
-3. tokenize every split into ``tokens/<hash>/{train,validation,test}.bin`` with ``meta.json`` and a copy of the
-   tokenizer; the hash covers the source identity, the split files (so the split rule and content), the tokenizer
-   fingerprint and the packing format;
+1. resolve ``data.source`` into document segments (:mod:`satlab.data.sources`): an embedded corpus' jsonl split
+   files (``corpora/<name>/``), or local files or a hub dataset streamed from where they are;
+2. build the tokenizer (a ``bpe`` one is trained on the train split, never on synthetic documents; ``tokenizers/``);
+3. tokenize every document into ``tokens/<key>/{train,validation,test}.bin`` with ``meta.json`` and a copy of the
+   tokenizer, in ``data.num_proc`` processes (:mod:`satlab.data.packing`); the key covers the source identity, the
+   split rule (and an embedded corpus' split files), the tokenizer fingerprint and the packing format. The work
+   happens in ``tokens/.<key>.partial/``, which a killed preparation resumes, and is renamed into place when done;
 4. with ``data.mix``, rewrite ``train.bin`` with synthetic documents interleaved (:mod:`satlab.data.synthetic`); the
-   mix is then part of the hash (a mixed and an unmixed run never share token files) and ``meta.json`` records it
+   mix is then part of the key (a mixed and an unmixed run never share token files) and ``meta.json`` records it
    under ``mix`` (requested and achieved shares, tokens and documents per source); ``tokens.train`` counts them
    all. Validation and test are never mixed, and a ``bpe`` tokenizer is trained on the corpus alone, so those
    files are identical with and without a mix.
 
-A second call with the same configuration only reads metadata. In a multi-process run call it on one process first
-(Lightning's ``prepare_data`` hook), then on all; concurrent calls are safe (writes are atomic) but duplicate work.
+A second call with the same configuration only reads metadata (:func:`find_prepared` does only that). Two
+processes that prepare the same key at once take turns (a file lock), so the second finds the first's result; in
+a multi-process job one process prepares and the others wait (:mod:`satlab.data.handoff`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from satlab.config.errors import ConfigError
 from satlab.config.schema import DataConfig
-from satlab.data.common import (
-    META_FILE,
-    SPLITS,
-    atomic_directory,
-    read_json,
-    require_nonempty_splits,
-    stable_hash,
-    write_json,
-)
-from satlab.data.packing import open_tokens, pack_splits, split_path
-from satlab.data.sources import load_documents, prepare_split_files, resolve_source
+from satlab.data.common import META_FILE, SPLITS, read_json, require_nonempty_splits, stable_hash, write_json
+from satlab.data.packing import PROGRESS_FILE, default_num_proc, open_tokens, pack_documents, split_path
+from satlab.data.sources import Source, document_segments, resolve_source, train_texts
 from satlab.data.synthetic import check_mix, mix_key, mix_train_split
-from satlab.data.tokenizer import TextTokenizer, build_tokenizer
+from satlab.data.tokenizer import TextTokenizer, build_tokenizer, cached_tokenizer
 
-TOKENS_VERSION = 1
-"""Bump when the packed format changes; token caches are then rebuilt."""
+TOKENS_VERSION = 2
+"""Bump when the packed format or the cache key changes; token caches are then rebuilt."""
 TOKENIZER_DIR = "tokenizer"
+MIX_FILE = "mix.json"
 COPIED_SOURCE_META = ("documents_are", "held_out", "package", "python_version")
 
 
@@ -61,81 +60,140 @@ class PreparedData:
     paths: dict[str, Path]
     meta: dict[str, Any]
 
+    @classmethod
+    def from_directory(cls, directory: Path, meta: dict[str, Any], tokenizer: TextTokenizer) -> PreparedData:
+        return cls(tokenizer=tokenizer, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                   dtype=meta["dtype"], directory=directory, paths={s: split_path(directory, s) for s in SPLITS},
+                   meta=meta)
+
     def open(self, split: str = "train") -> np.ndarray:
         """The token ids of ``split`` (``train``, ``validation`` or ``test``) as a read-only numpy memmap."""
         return open_tokens(split_path(self.directory, split), self.dtype)
 
 
-def _text_batches(dataset: Any, batch_size: int = 256) -> Iterator[list[str]]:
-    for batch in dataset.iter(batch_size=batch_size):
-        yield batch["text"]
+def _resolved(data_cfg: DataConfig) -> tuple[DataConfig, Source]:
+    data_cfg = replace(data_cfg, cache_dir=str(Path(data_cfg.cache_dir).expanduser()))
+    check_mix(data_cfg.mix)
+    return data_cfg, resolve_source(data_cfg)
+
+
+def _train_identity(source: Source) -> str:
+    return stable_hash(source.identity, 64)
+
+
+def _tokens_dir(data_cfg: DataConfig, source: Source, tokenizer: TextTokenizer) -> Path:
+    key_fields = {"version": TOKENS_VERSION, "source": source.identity, "tokenizer": tokenizer.fingerprint}
+    if data_cfg.mix:  # only then, so unmixed caches keep their keys
+        key_fields["mix"] = mix_key(data_cfg.mix)
+    return Path(data_cfg.cache_dir) / "tokens" / stable_hash(key_fields)
+
+
+def _find(data_cfg: DataConfig, source: Source) -> PreparedData | None:
+    tokenizer = cached_tokenizer(data_cfg.tokenizer, data_cfg.cache_dir, _train_identity(source))
+    if tokenizer is None:
+        return None
+    target = _tokens_dir(data_cfg, source, tokenizer)
+    meta = read_json(target / META_FILE)
+    return None if meta is None else PreparedData.from_directory(target, meta, tokenizer)
+
+
+def find_prepared(data_cfg: DataConfig) -> PreparedData | None:
+    """The prepared data of ``data_cfg`` when everything is in the cache, else None; reads metadata only (local
+    files are hashed to know their identity), never writes, trains, tokenizes or contacts the hub."""
+    return _find(*_resolved(data_cfg))
+
+
+@contextmanager
+def _exclusive(lock_path: Path, say: Any) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (two processes preparing one cache entry take turns)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another process is preparing {lock_path.parent / lock_path.stem.lstrip('.')}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _mix(work: Path, tokenizer: TextTokenizer, dtype: str, data_cfg: DataConfig, progress: bool) -> dict[str, Any]:
+    """Mix synthetic documents into ``work/train.bin`` once, even across a kill: the packed corpus stays as
+    ``train.corpus.part`` until the mix is recorded, and an interrupted mix starts again from it."""
+    done = read_json(work / MIX_FILE)
+    corpus = work / "train.corpus.part"
+    if done is None:
+        if corpus.exists():
+            os.replace(corpus, split_path(work, "train"))
+        done = mix_train_split(work, tokenizer, dtype, data_cfg.mix, progress)
+        write_json(work / MIX_FILE, done)
+    corpus.unlink(missing_ok=True)
+    return done
 
 
 def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     """Prepare (or find in the cache) the packed token files for ``data_cfg``; see the module docstring.
 
     Raises :class:`~satlab.config.errors.ConfigError` for every user mistake (unknown corpus or tokenizer kind,
-    missing files, unreachable hub, a split left empty, ...).
+    missing files, unreachable hub, a split left empty, a disk too small, ...).
     """
-    cache_dir = Path(data_cfg.cache_dir).expanduser()
-    data_cfg = replace(data_cfg, cache_dir=str(cache_dir))
-    check_mix(data_cfg.mix)
-    source = resolve_source(data_cfg)
+    data_cfg, source = _resolved(data_cfg)
+    if (found := _find(data_cfg, source)) is not None:
+        return found
+    cache_dir = data_cfg.cache_dir
     tokenizer = None
     if data_cfg.tokenizer.kind != "bpe":  # needs no corpus: made (or fetched) first, so a failure writes nothing
         tokenizer = build_tokenizer(data_cfg.tokenizer, cache_dir, "", lambda: iter(()), 0, progress)
-    split_dir, split_meta = prepare_split_files(source, data_cfg, progress)
-    require_nonempty_splits(split_meta, source.description)
-    tokenizer = tokenizer or build_tokenizer(
-        data_cfg.tokenizer,
-        cache_dir,
-        train_sha256=split_meta["sha256"]["train"],
-        train_batches=lambda: _text_batches(load_documents(split_dir)["train"]),
-        num_train_documents=split_meta["documents"]["train"],
-        progress=progress,
-    )
-    key_fields = {
-        "version": TOKENS_VERSION,
-        "source": source.identity,
-        "split_rule": split_meta["split_rule"],
-        "split_files": split_meta["sha256"],
-        "tokenizer": tokenizer.fingerprint,
-    }
-    if data_cfg.mix:  # only then, so unmixed caches keep their keys
-        key_fields["mix"] = mix_key(data_cfg.mix)
-    key = stable_hash(key_fields)
-    target = cache_dir / "tokens" / key
-    meta = read_json(target / META_FILE)
-    if meta is None:
-        with atomic_directory(target) as tmp:
-            packed = pack_splits(load_documents(split_dir), split_meta["documents"], tokenizer, tmp, progress)
-            mix = {}
-            if data_cfg.mix:
-                mix = {"mix": mix_train_split(tmp, tokenizer, packed["dtype"], data_cfg.mix, progress)}
-                packed["tokens"]["train"] = sum(mix["mix"]["tokens"].values())
-            meta = {
-                "key": key,
-                "format_version": TOKENS_VERSION,
-                "source": {"kind": source.kind, "name": source.name, "description": source.description,
-                           "identity": source.identity},
-                "split_rule": split_meta["split_rule"],
-                "documents": split_meta["documents"],
-                "text_bytes": split_meta["text_bytes"],
-                **packed,
-                **mix,
-                "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id,
-                "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
-                **{k: split_meta[k] for k in COPIED_SOURCE_META if k in split_meta},
-            }
-            tokenizer.save(tmp / TOKENIZER_DIR)
-            write_json(tmp / META_FILE, meta)
-    return PreparedData(
-        tokenizer=tokenizer,
-        vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id,
-        dtype=meta["dtype"],
-        directory=target,
-        paths={s: split_path(target, s) for s in SPLITS},
-        meta=meta,
-    )
+    segments, total_rows, source_meta = document_segments(source, data_cfg)
+    if tokenizer is None:
+
+        def checked_train_texts() -> Iterator[list[str]]:
+            """The train texts; at their end a source with an empty split is refused before the tokenizer is kept."""
+            counts = dict.fromkeys(SPLITS, 0)
+            yield from train_texts(segments, data_cfg.val_fraction, counts)
+            require_nonempty_splits({"documents": counts, "split_rule": source.identity["split_rule"]},
+                                    source.description)
+
+        tokenizer = build_tokenizer(data_cfg.tokenizer, cache_dir, _train_identity(source), checked_train_texts,
+                                    total_rows, progress)
+    target = _tokens_dir(data_cfg, source, tokenizer)
+    work = target.with_name(f".{target.name}.partial")
+    lock = target.with_name(f".{target.name}.lock")
+    with _exclusive(lock, print if progress else lambda _: None):
+        meta = read_json(target / META_FILE)
+        if meta is not None:  # another process prepared it while this one waited for the lock
+            return PreparedData.from_directory(target, meta, tokenizer)
+        work.mkdir(parents=True, exist_ok=True)
+        packed = pack_documents(segments, tokenizer, work, data_cfg.num_proc or default_num_proc(),
+                                data_cfg.val_fraction, total_rows, progress)
+        try:
+            require_nonempty_splits({**packed, "split_rule": source.identity["split_rule"]}, source.description)
+        except ConfigError:  # a source that cannot be used leaves nothing behind (any other preparer fails alike)
+            shutil.rmtree(work, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            raise
+        mix = {}
+        if data_cfg.mix:
+            mix = {"mix": _mix(work, tokenizer, packed["dtype"], data_cfg, progress)}
+            packed["tokens"]["train"] = sum(mix["mix"]["tokens"].values())
+        meta = {
+            "key": target.name,
+            "format_version": TOKENS_VERSION,
+            "source": {"kind": source.kind, "name": source.name, "description": source.description,
+                       "identity": source.identity},
+            "split_rule": source.identity["split_rule"],
+            **packed,
+            **mix,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
+            **{k: source_meta[k] for k in COPIED_SOURCE_META if k in source_meta},
+        }
+        tokenizer.save(work / TOKENIZER_DIR)
+        (work / PROGRESS_FILE).unlink(missing_ok=True)
+        (work / MIX_FILE).unlink(missing_ok=True)
+        write_json(work / META_FILE, meta)
+        os.rename(work, target)
+    return PreparedData.from_directory(target, meta, tokenizer)

@@ -54,7 +54,7 @@ import numpy as np
 from satlab.config.errors import ConfigError
 from satlab.config.loader import mix_problems
 from satlab.data.common import make_progress
-from satlab.data.packing import BATCH_DOCUMENTS, open_tokens, split_path
+from satlab.data.packing import open_tokens, split_path
 from satlab.data.tokenizer import TextTokenizer
 
 SYNTHETIC_VERSION = 2
@@ -199,6 +199,10 @@ def mix_key(mix: dict[str, float]) -> dict[str, Any]:
     return {"shares": {k: float(v) for k, v in sorted(mix.items())}, "seed": MIX_SEED, "version": SYNTHETIC_VERSION}
 
 
+GENERATED_BATCH = 64
+"""Synthetic documents per ``encode_batch`` call."""
+
+
 def _write_source(name: str, target: float, tokenizer: TextTokenizer, path: Path, dtype: np.dtype,
                   progress: bool) -> np.ndarray:
     """Documents ``0, 1, ...`` of ``name``, tokenized with EOS, until ``target`` tokens; returns their lengths."""
@@ -208,8 +212,8 @@ def _write_source(name: str, target: float, tokenizer: TextTokenizer, path: Path
     with open(path, "wb") as f, make_progress(progress) as bar:
         task = bar.add_task(f"generating {name} documents", total=None)
         while written < target:
-            texts = [synthetic_document(name, index + j).text for j in range(BATCH_DOCUMENTS)]
-            index += BATCH_DOCUMENTS
+            texts = [synthetic_document(name, index + j).text for j in range(GENERATED_BATCH)]
+            index += GENERATED_BATCH
             chunks = []
             for ids in tokenizer.encode_batch(texts):
                 if written >= target:
@@ -237,8 +241,9 @@ def mix_train_split(directory: Path, tokenizer: TextTokenizer, dtype: str | np.d
     documents; see the module docstring. Corpus documents are found by their EOS (a text that itself encodes to the
     EOS id is only cut in two there, where an EOS already is).
 
-    Returns the ``mix`` block of ``meta.json``: the requested shares, tokens, documents and achieved share per
-    source (``corpus`` included), the seed and the generator version.
+    The packed corpus is left as ``train.corpus.part`` (the caller removes it once the result is recorded, so a
+    mix killed midway can start again from it). Returns the ``mix`` block of ``meta.json``: the requested shares,
+    tokens, documents and achieved share per source (``corpus`` included), the seed and the generator version.
     """
     check_mix(mix)
     dtype = np.dtype(dtype)
@@ -268,8 +273,8 @@ def mix_train_split(directory: Path, tokenizer: TextTokenizer, dtype: str | np.d
             f.write(np.ascontiguousarray(tokens[n][offsets[n][first]:offsets[n][last]]).tobytes())
             cursor[n] = last
     del tokens
-    for path in paths.values():
-        path.unlink()
+    for name in names[1:]:  # the corpus part stays for the caller, who removes it once the mix is recorded
+        paths[name].unlink()
     counts = {n: int(lengths[n].sum()) for n in names}
     grand_total = sum(counts.values())
     return {

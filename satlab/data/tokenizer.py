@@ -13,13 +13,16 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from satlab.config.errors import ConfigError, unknown_name
-from satlab.config.schema import TOKENIZER_KINDS, TokenizerConfig
 from satlab.data.common import atomic_directory, read_json, stable_hash
+
+if TYPE_CHECKING:  # the schema imports the model zoo (torch); a tokenizing worker process needs neither
+    from satlab.config.schema import TokenizerConfig
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -108,7 +111,8 @@ def byte_tokenizer() -> TextTokenizer:
     return TextTokenizer("byte", BYTE_EOS)
 
 
-def train_bpe(batches: Iterable[list[str]], vocab_size: int, num_documents: int, progress: bool) -> TextTokenizer:
+def train_bpe(batches: Iterable[list[str]], vocab_size: int, num_documents: int | None,
+              progress: bool) -> TextTokenizer:
     """Byte-level BPE with ``<|endoftext|>`` (id 0) as its one special token. Training is deterministic: the same
     texts and size give the same merges."""
     hf = tokenizers.Tokenizer(models.BPE())
@@ -134,10 +138,26 @@ def _hub_eos_id(hf: tokenizers.Tokenizer, name: str) -> int:
     )
 
 
+def _hub_target(name: str, cache_dir: str | Path) -> Path:
+    return Path(cache_dir) / "tokenizers" / ("hub-" + re.sub(r"[^A-Za-z0-9._-]", "--", name))
+
+
+def _local_tokenizer_file(name: str) -> Path | None:
+    """A ``tokenizer.json`` that ``name`` points at on disk (the file, or a folder holding one), else None."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / HF_FILE
+    return path if path.is_file() else None
+
+
 def hub_tokenizer(name: str, cache_dir: str | Path) -> TextTokenizer:
-    """``tokenizers.Tokenizer.from_pretrained(name)``, kept under ``<cache_dir>/tokenizers`` so later runs are
-    offline."""
-    target = Path(cache_dir) / "tokenizers" / ("hub-" + re.sub(r"[^A-Za-z0-9._-]", "--", name))
+    """The pretrained tokenizer ``name``: a local ``tokenizer.json`` (or a folder with one, e.g. a downloaded model)
+    when the name is such a path, else ``tokenizers.Tokenizer.from_pretrained(name)``, kept under
+    ``<cache_dir>/tokenizers`` so later runs are offline."""
+    if (local := _local_tokenizer_file(name)) is not None:
+        hf = tokenizers.Tokenizer.from_file(str(local))
+        return TextTokenizer("hub", _hub_eos_id(hf, name), hf, name)
+    target = _hub_target(name, cache_dir)
     if (target / META_FILE).exists():
         return TextTokenizer.load(target)
     try:
@@ -146,8 +166,8 @@ def hub_tokenizer(name: str, cache_dir: str | Path) -> TextTokenizer:
         raise ConfigError(
             f"could not fetch the hub tokenizer data.tokenizer.name='{name}' ({type(e).__name__}: {e}). It needs "
             "the network the first time (offline?), an existing repo with a tokenizer.json, and for gated models "
-            "such as meta-llama/Llama-2-7b-hf an accepted licence and `hf auth login`; kinds 'byte' and 'bpe' "
-            "work offline."
+            "such as meta-llama/Llama-2-7b-hf an accepted licence and `hf auth login`; a local tokenizer.json (or "
+            "a folder with one) works offline, and so do kinds 'byte' and 'bpe'."
         ) from e
     tokenizer = TextTokenizer("hub", _hub_eos_id(hf, name), hf, name)
     with atomic_directory(target) as tmp:
@@ -155,37 +175,53 @@ def hub_tokenizer(name: str, cache_dir: str | Path) -> TextTokenizer:
     return tokenizer
 
 
-def build_tokenizer(
-    cfg: TokenizerConfig,
-    cache_dir: str | Path,
-    train_sha256: str,
-    train_batches: Callable[[], Iterable[list[str]]],
-    num_train_documents: int,
-    progress: bool = True,
-) -> TextTokenizer:
-    """The tokenizer ``cfg`` asks for. A ``bpe`` one is trained on ``train_batches()`` (the train split's texts)
-    only when no tokenizer for the same ``train_sha256`` (hash of the train split file) and settings is cached."""
-    if cfg.kind not in TOKENIZER_KINDS:
-        raise ConfigError(unknown_name("data.tokenizer.kind", cfg.kind, TOKENIZER_KINDS))
+def _bpe_target(cfg: TokenizerConfig, cache_dir: str | Path, train_identity: str) -> Path:
+    key = stable_hash({"train": train_identity, "vocab_size": cfg.vocab_size, "version": BPE_VERSION})
+    return Path(cache_dir) / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}"
+
+
+def cached_tokenizer(cfg: TokenizerConfig, cache_dir: str | Path, train_identity: str) -> TextTokenizer | None:
+    """The tokenizer ``cfg`` asks for when it is at hand without training or fetching anything, else None."""
     if cfg.kind == "byte":
         return byte_tokenizer()
     if cfg.kind == "hub":
-        if not cfg.name:
-            raise ConfigError(
-                "data.tokenizer.kind is 'hub' but data.tokenizer.name is not set; give a hub model name such as "
-                "'meta-llama/Llama-2-7b-hf' (the paper's tokenizer) or 'gpt2'."
-            )
-        return hub_tokenizer(cfg.name, cache_dir)
-    if cfg.vocab_size <= BYTE_VOCAB:
+        if cfg.name and (_local_tokenizer_file(cfg.name) or (_hub_target(cfg.name, cache_dir) / META_FILE).exists()):
+            return hub_tokenizer(cfg.name, cache_dir)
+        return None
+    target = _bpe_target(cfg, cache_dir, train_identity)
+    return TextTokenizer.load(target) if (target / META_FILE).exists() else None
+
+
+def build_tokenizer(
+    cfg: TokenizerConfig,
+    cache_dir: str | Path,
+    train_identity: str,
+    train_batches: Callable[[], Iterable[list[str]]],
+    num_train_documents: int | None,
+    progress: bool = True,
+) -> TextTokenizer:
+    """The tokenizer ``cfg`` asks for. A ``bpe`` one is trained on ``train_batches()`` (the train split's texts)
+    only when no tokenizer for the same ``train_identity`` (what identifies the train split's documents) and
+    settings is cached; ``num_train_documents`` (when known) sizes its progress bar."""
+    from satlab.config.schema import TOKENIZER_KINDS
+
+    if cfg.kind not in TOKENIZER_KINDS:
+        raise ConfigError(unknown_name("data.tokenizer.kind", cfg.kind, TOKENIZER_KINDS))
+    if cfg.kind == "hub" and not cfg.name:
+        raise ConfigError(
+            "data.tokenizer.kind is 'hub' but data.tokenizer.name is not set; give a hub model name such as "
+            "'meta-llama/Llama-2-7b-hf' (the paper's tokenizer) or 'gpt2', or a local tokenizer.json."
+        )
+    if cfg.kind == "bpe" and cfg.vocab_size <= BYTE_VOCAB:
         raise ConfigError(
             f"data.tokenizer.vocab_size is {cfg.vocab_size}; a byte-level BPE needs more than {BYTE_VOCAB} (256 "
             "bytes, the end-of-text token and at least one merge), e.g. 8192."
         )
-    key = stable_hash({"train_sha256": train_sha256, "vocab_size": cfg.vocab_size, "version": BPE_VERSION})
-    target = Path(cache_dir) / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}"
-    if (target / META_FILE).exists():
-        return TextTokenizer.load(target)
+    if (tokenizer := cached_tokenizer(cfg, cache_dir, train_identity)) is not None:
+        return tokenizer
+    if cfg.kind == "hub":
+        return hub_tokenizer(cfg.name, cache_dir)
     tokenizer = train_bpe(train_batches(), cfg.vocab_size, num_train_documents, progress)
-    with atomic_directory(target) as tmp:
+    with atomic_directory(_bpe_target(cfg, cache_dir, train_identity)) as tmp:
         tokenizer.save(tmp)
     return tokenizer

@@ -8,14 +8,16 @@ from torch.utils.data import DataLoader
 
 from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
-from satlab.data import TrainBatches, ValidationWindows, prepare_data
+from satlab.data import TrainBatches, ValidationWindows
+from satlab.data.handoff import prepare_once
 from satlab.data.mqar import MQARBatches, MQARHeldOut, MQARTask
 
 
 class LMDataModule(L.LightningDataModule):
-    """Tokenizes and packs the data at construction (rank 0 of a single process, or every rank reading the same
-    content-hashed cache), so the model can be sized from the tokenizer before the Trainer exists. A synthetic
-    source (``synthetic:mqar``) has nothing to prepare: its task generates every batch from the seed.
+    """Tokenizes and packs the data at construction, so the model can be sized from the tokenizer before the Trainer
+    exists: in a multi-process job one process prepares (global rank 0, or local rank 0 of each node with
+    ``data.prepare_per_node``) and the others wait for its files (:func:`satlab.data.handoff.prepare_once`). A
+    synthetic source (``synthetic:mqar``) has nothing to prepare: its task generates every batch from the seed.
 
     The training stream starts at ``global_step × tokens_per_step`` tokens: a resumed run continues exactly where the
     checkpoint was taken, whatever the number of workers.
@@ -25,7 +27,7 @@ class LMDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg = cfg
         self.task = MQARTask(cfg.data.mqar, cfg.data.seq_len) if cfg.data.synthetic_task == "mqar" else None
-        self.data = None if self.task is not None else prepare_data(cfg.data, progress=progress)
+        self.data = None if self.task is not None else prepare_once(cfg.data, progress=progress)
         self.schedule: Schedule | None = None
         self.start_token = 0
 
