@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -89,6 +90,17 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def replace_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write ``obj`` to ``path`` atomically and durably: into a temporary file of this host and process, synced,
+    then renamed over ``path``, so a reader (or a restart after a kill) sees the old content or the new, whole."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 @contextmanager

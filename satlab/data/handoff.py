@@ -31,7 +31,7 @@ from typing import Any
 from satlab.config.errors import ConfigError
 from satlab.config.schema import DataConfig
 from satlab.data import prepare as pipeline
-from satlab.data.common import read_json, stable_hash
+from satlab.data.common import read_json, replace_json, stable_hash
 from satlab.data.packing import PROGRESS_FILE
 from satlab.data.prepare import PreparedData
 
@@ -136,11 +136,9 @@ def read_status(path: Path) -> dict[str, Any] | None:
 
 
 def write_status(path: Path, status: dict[str, Any]) -> None:
-    """Write ``status`` atomically: into a file of this process, then renamed over ``path``."""
+    """Write ``status`` atomically (see :func:`satlab.data.common.replace_json`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(status, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_json(path, status)
 
 
 def _packing_progress(cache_dir: Path) -> str | None:

@@ -23,7 +23,6 @@ tokenizing cores (``satlab bench --data`` measures both rates).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import deque
@@ -38,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from satlab.config.errors import ConfigError
-from satlab.data.common import SPLITS, make_progress, si
+from satlab.data.common import SPLITS, make_progress, read_json, replace_json, si
 from satlab.data.pack_worker import BatchResult, init_worker, tokenize_batch
 from satlab.data.tokenizer import TextTokenizer
 
@@ -109,18 +108,11 @@ class Progress:
 
     @classmethod
     def read(cls, directory: Path) -> Progress | None:
-        try:
-            return cls(**json.loads((directory / PROGRESS_FILE).read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            return None
+        data = read_json(directory / PROGRESS_FILE)
+        return None if data is None else cls(**data)
 
     def write(self, directory: Path) -> None:
-        tmp = directory / f"{PROGRESS_FILE}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.__dict__, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / PROGRESS_FILE)
+        replace_json(directory / PROGRESS_FILE, self.__dict__)
 
 
 @dataclass

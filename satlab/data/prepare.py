@@ -6,8 +6,8 @@ Steps, each cached under ``data.cache_dir`` and skipped when its cache entry exi
    files (``corpora/<name>/``), or local files or a hub dataset streamed from where they are;
 2. build the tokenizer (a ``bpe`` one is trained on the train split, never on synthetic documents; ``tokenizers/``);
 3. tokenize every document into ``tokens/<key>/{train,validation,test}.bin`` with ``meta.json`` and a copy of the
-   tokenizer, in ``data.num_proc`` processes (:mod:`satlab.data.packing`); the key covers the source identity, the
-   split rule (and an embedded corpus' split files), the tokenizer fingerprint and the packing format. The work
+   tokenizer, in ``data.num_proc`` processes (:mod:`satlab.data.packing`); the key covers the source identity (with
+   its split rule; an embedded corpus' build signature), the tokenizer fingerprint and the packing format. The work
    happens in ``tokens/.<key>.partial/``, which a killed preparation resumes, and is renamed into place when done;
 4. with ``data.mix``, rewrite ``train.bin`` with synthetic documents interleaved (:mod:`satlab.data.synthetic`); the
    mix is then part of the key (a mixed and an unmixed run never share token files) and ``meta.json`` records it
