@@ -57,10 +57,16 @@ lint: $(STAMP) ## ruff over the package and tests, and the import contracts (pyp
 archs: $(STAMP) ## table of every architecture and variant (SIZE=tiny|small|medium|large|xl)
 	$(VENV)/bin/satlab archs --size $(or $(SIZE),tiny)
 
-ui: $(STAMP) ## MLflow UI over the local store on http://127.0.0.1:5000 (UI_HOST=0.0.0.0 to share it)
-	@mkdir -p mlruns/artifacts
-	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
-		--default-artifact-root $(CURDIR)/mlruns/artifacts --host $(UI_HOST) --port $(UI_PORT)
+# The store `make ui` serves: the project's own, or the sqlite store a run names at its end (STORE=sqlite:///...).
+STORE ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
+STORE_DIR = $(patsubst %/,%,$(dir $(patsubst sqlite:///%,%,$(STORE))))
+
+ui: $(STAMP) ## MLflow UI on http://127.0.0.1:5000 over mlruns/ or STORE=sqlite:///<abs>/mlflow.db (UI_HOST=0.0.0.0 to share)
+	@case '$(STORE)' in sqlite:///*) ;; *) echo "STORE must be a sqlite:///<absolute path> store; a tracking server \
+	is its own UI: open its URL" >&2; exit 2;; esac
+	@mkdir -p $(STORE_DIR)/artifacts
+	$(VENV)/bin/mlflow server --backend-store-uri $(STORE) \
+		--default-artifact-root $(STORE_DIR)/artifacts --host $(UI_HOST) --port $(UI_PORT)
 
 sweep: $(STAMP) ## Optuna sweep of sweeps/<SWEEP>.yaml: make sweep [SWEEP=lr_tiny] [WORKERS=2] [ARGS="n_trials=4 ..."]
 	$(VENV)/bin/satlab sweep $(SWEEP) --workers $(WORKERS) $(ARGS)

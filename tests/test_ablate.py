@@ -240,6 +240,30 @@ def write_micro_spec(tmp_path: Path, name: str = "micro") -> Path:
     return path
 
 
+def assert_results_on_parent(client: mlflow.MlflowClient, run_id: str, summary: dict) -> None:
+    """The parent run's metrics, params and verdict tags are summary.json's numbers (a metric a later report no
+    longer has is NaN), and no metric holds one value twice in its history."""
+    run = client.get_run(run_id)
+    expected: dict[str, float | None] = {}
+    for key, group in summary["groups"].items():
+        assert run.data.params[f"variant.{key}"] == group["group"]
+        expected |= {f"variants/{key}/cells": group["cells"], f"variants/{key}/model_params": group["model_params"]}
+        for measure, numbers in group["measures"].items():
+            expected |= {f"variants/{key}/{measure}_{stat}": value for stat, value in numbers.items()}
+    for verdict in summary["verdicts"]:
+        assert run.data.tags[f"verdict.{verdict['key']}"] == verdict["outcome"]
+        for c in verdict["comparisons"]:
+            pair = f"verdicts/{verdict['key']}/{c['better']}_vs_{c['worse']}"
+            expected |= {f"{pair}_p": c["p"], f"{pair}_p_holm": c["p_adjusted"]}
+    assert {k: v for k, v in run.data.metrics.items() if not math.isnan(v)} == \
+        {k: v for k, v in expected.items() if v is not None}
+    tags = {k for k in run.data.tags if k.startswith("verdict.")}
+    assert tags == {f"verdict.{v['key']}" for v in summary["verdicts"]}
+    for key in run.data.metrics:
+        history = client.get_metric_history(run_id, key)
+        assert {m.step for m in history} == {0} and len(history) == len({repr(m.value) for m in history}), key
+
+
 def finished_children(client: mlflow.MlflowClient, parent_run_id: str) -> dict[str, str]:
     runs = child_runs(client, client.get_run(parent_run_id))
     assert all(r.data.tags[PARENT_TAG] == parent_run_id for r in runs)
@@ -264,8 +288,12 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     assert float(by_cell["satformer"]["p (loss)"]) >= 0 and by_cell["satformer"]["seeds"] == "2/2"
     assert by_cell["satformer"]["retrieval avg"] == "—" and "±" in by_cell["satformer"]["final val loss"]
     markdown = result.report["markdown"].read_text()
-    assert "SATFormer < ResFormer < Transformer in final validation loss: **could not be checked**" in markdown
-    assert result.report["loss_curves"].exists() and "<table>" in result.report["html"].read_text()
+    assert "ResFormer" not in markdown and "tokens: ." not in markdown  # no claim or order about an absent one
+    assert "SATFormer best on the retrieval average: **could not be checked**" in markdown  # present, not evaluated
+    html = result.report["html"].read_text()
+    assert result.report["loss_curves"].exists() and "<table>" in html and '<img src="data:image/png;base64,' in html
+    assert set(summary["groups"]) == {"transformer", "satformer"} and summary["groups"]["satformer"]["cells"] == 2
+    assert_results_on_parent(client, result.parent_run_id, summary)
     logged = {a.path for a in client.list_artifacts(result.parent_run_id, "report")}
     assert {"report/report.md", "report/report.html", "report/loss_curves.png"} <= logged
 
@@ -295,6 +323,9 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
         client.log_artifact(after[spec.cells()[2].key], str(heatmap), f"gates/step_{step}")
     assert satlab_main(["report", str(tmp_path / "micro.yml")]) == 0
     assert (spec.out_path() / "gate_heatmaps.png").exists()
+    summary = json.loads((spec.out_path() / "summary.json").read_text())
+    assert summary["runs"][redo] == after[redo]  # the report again: its numbers replace the first's on the parent
+    assert_results_on_parent(client, result.parent_run_id, summary)
     assert satlab_main(["report", result.parent_run_id, "--tracking-uri", result.tracking_uri,
                         "--out", str(tmp_path / "by-id")]) == 0
     assert "gate_heatmaps.png" in (tmp_path / "by-id" / "report.md").read_text()

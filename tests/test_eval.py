@@ -256,3 +256,14 @@ def test_eval_refuses_a_device_that_is_not_there_before_loading_anything(device,
     assert main(["eval", f"ckpt={tmp_path / 'missing'}", f"device={device}", "--no-mlflow"]) == 2
     err = capsys.readouterr().err
     assert message in err and "no checkpoint at" not in err  # the device is checked first
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_progress_false_silences_every_bar_of_the_suite_lm_evals_included(progress, cache, capfd):
+    """``satlab train --no-progress`` and study trials: no bar from lm-eval's request building, its tokenizing or the
+    adapter's scoring (shown=True proves the check sees them)."""
+    run_tasks(tiny(), TOKENIZER, ["satlab_mc_continuation", "satlab_cloze"], limit=4, cache_dir=cache,
+              progress=progress)
+    err = capfd.readouterr().err
+    bars = ("it/s]" in err, "Tokenizing inputs" in err, "satlab loglikelihood" in err)
+    assert bars == ((True,) * 3 if progress else (False,) * 3), err[-2000:]

@@ -43,12 +43,52 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     assert len(sparsity_steps) >= 2  # every validation during fit, and the end
     artifacts = artifact_paths(client, run.info.run_id)
     assert "gates/step_8/heatmap.png" in artifacts and "gates/step_8/gates.json" in artifacts
-    assert evaluation.last_results["zero_shot/satlab_mqar/acc"] == pytest.approx(values[("satlab_mqar", "acc")])
+    assert round(evaluation.last_results["zero_shot/satlab_mqar/acc"], 4) == values[("satlab_mqar", "acc")]
     averages = [k for k in evaluation.last_results if k.startswith("zero_shot/") and k.count("/") == 1]
     assert all(run.data.metrics[k] == pytest.approx(evaluation.last_results[k]) for k in averages)  # suite averages
-    assert values[("satlab_mqar", "seconds")] > 0  # the model's time per task, in the results table
+    assert all(round(v, 4) == v for v in values.values())
+    local = client.download_artifacts(run.info.run_id, "eval/step_8/seconds.json", str(tmp_path))
+    seconds = {(row[0], row[1]): row[2] for row in json.loads(Path(local).read_text())["data"]}
+    assert seconds[("satlab_mqar", "seconds")] > 0 and not any("seconds" in k[1] for k in values)  # apart
     assert 0 < result.eval_seconds == pytest.approx(run.data.metrics["system/eval_wall_seconds"])
     assert result.eval_seconds < result.fit_seconds
+    assert "gates/layer_means.png" in artifacts and len(evaluation.layer_history) >= 2
+    assert evaluation.state_dict()["layer_history"] == evaluation.layer_history  # into checkpoints, for a resume
+
+
+def test_a_run_page_leads_with_what_matters(tmp_path):
+    """What a researcher sees on a run's page and in the comparison: the architecture's own options only, readable
+    values, no constant or Lightning-internal series, the run in its architecture's colour, and the experiment's
+    comparison view (loss curves first) with its URL in the result."""
+    from satlab.models import ARCHITECTURES
+    from satlab.training.views import COLOUR_TAG, FAMILY_VIEW, SHARE_TAG, arch_colour
+
+    cfg = load_experiment("default", [
+        "model.arch=resformer", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64",
+        "data.source=kjv", "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4",
+        "train.global_batch_tokens=256", "train.max_tokens=1024", "train.val_every_tokens=512",
+        "train.val_tokens=256", "train.log_every_n_steps=1", "eval.at_end=false", "name=page",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / 'runs'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ])
+    result = train(cfg, progress=False)
+    client = mlflow.MlflowClient(result.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    params, metrics = run.data.params, run.data.metrics
+    options = {k.split(".")[1] for k in params if k.count(".") == 2 and k.split(".")[1] in ARCHITECTURES}
+    assert options == {"resformer"}, options
+    assert not any(v.startswith("{") for v in params.values()) and params["data.source"].startswith("embedded")
+    assert {"epoch", "train/skipped_steps", "system/peak_tflops_used_for_mfu",
+            "system/tokens_per_sec_per_device"}.isdisjoint(metrics)
+    assert len(client.get_metric_history(run.info.run_id, "val/loss")) >= 2
+    assert run.data.tags[COLOUR_TAG] == arch_colour("resformer") != arch_colour("transformer")
+    experiment = client.get_experiment(run.info.experiment_id)
+    state = json.loads(experiment.tags[SHARE_TAG + FAMILY_VIEW])
+    first = [c["metricKey"] for c in state["compareRunCharts"] if c["metricSectionId"] == "satlab-curves"]
+    assert first == ["val/loss", "train/loss"] and state["compareRunSections"][0]["uuid"] == "satlab-curves"
+    assert "tags.`arch`" in state["selectedColumns"] and "metrics.`val/loss`" in state["selectedColumns"]
+    assert result.view_url.endswith(f"/#/experiments/{experiment.experiment_id}/runs?compareRunsMode=CHART"
+                                    f"&viewStateShareKey={FAMILY_VIEW}")
 
 
 def test_the_run_summary_gives_the_evaluation_time_against_the_training_before_it():

@@ -184,6 +184,36 @@ def test_the_best_config_is_a_ready_to_run_experiment(micro_sweep):
     assert cfg.model.arch == "transformer" and cfg.optim.lr == pytest.approx(3e-3) and cfg.model.d_model == 32
 
 
+def test_micro_sweep_trials_name_their_architecture_and_report_at_tokens_seen(micro_sweep):
+    folder, _, _ = micro_sweep
+    trials = {t.params["optim.lr"]: t for t in study_of(folder).trials}
+    assert all(t.user_attrs["arch"] == t.params["model.arch"] for t in trials.values())
+    every = MICRO["train.val_every_tokens"]
+    assert sorted(trials[3e-3].intermediate_values) == [every, 2 * every, 3 * every, 4 * every], outcome(trials[3e-3])
+    assert list(trials[1e-3].intermediate_values) == [every]  # pruned at its first validation
+    assert trials[1e-3].constraints["gate_saturation"] == 1.0 and trials[1e-3].user_attrs["feasible"] is False
+
+
+def test_micro_sweep_parent_run_carries_the_results_once_per_rerun(micro_sweep):
+    folder, spec, _ = micro_sweep
+    study = study_of(folder)
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlruns' / 'mlflow.db'}")
+    parent_id = study.user_attrs["mlflow_parent_run_id"]
+    finish(start_sweep(spec, "--n-trials", "0"))  # rewrites the report: the same points again, not new ones
+    run = client.get_run(parent_id)
+    complete = next(t for t in study.trials if t.state.name == "COMPLETE")
+    assert run.data.metrics["variants/transformer/best_val_loss"] == pytest.approx(complete.value)
+    assert run.data.metrics["variants/transformer/best_lr"] == pytest.approx(3e-3)
+    counts = {k.split("/", 1)[1]: v for k, v in run.data.metrics.items() if "/n_" in k}
+    assert counts == {"transformer/n_complete": 1, "transformer/n_pruned": 0, "transformer/n_failed": 1,
+                      "transformer/n_infeasible": 0, "satformer/n_complete": 0, "satformer/n_pruned": 1,
+                      "satformer/n_failed": 0, "satformer/n_infeasible": 0}
+    assert run.data.tags["sweep.best_trial"] == str(complete.number) == run.data.tags["variants/transformer/best_trial"]
+    assert not any(k.startswith("best") for k in run.data.metrics)
+    for key in run.data.metrics:
+        assert [p.step for p in client.get_metric_history(parent_id, key)] == [3], key
+
+
 @pytest.mark.slow
 def test_rerunning_the_command_resumes_the_study_and_its_parent_run(micro_sweep):
     folder, spec, _ = micro_sweep

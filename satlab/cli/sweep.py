@@ -8,6 +8,7 @@ import contextlib
 
 from satlab.config.errors import ConfigError
 from satlab.studies.loader import load_sweep
+from satlab.studies.spec import SweepSpec
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,23 +18,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n-trials must be >= 0, got {args.n_trials}")
     spec = load_sweep(args.spec, args.overrides)
     if args.dashboard:
-        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port)
+        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port, spec)
     from satlab.studies.engine import run_study
 
     result = run_study(spec, workers=args.workers, n_trials=args.n_trials, storage=args.storage)
     return 130 if result.interrupted else 0
 
 
-def serve_dashboard(storage: str, host: str, port: int) -> int:
-    """optuna-dashboard on the storage (Ctrl-C stops it)."""
+def serve_dashboard(storage: str, host: str, port: int, spec: SweepSpec | None = None) -> int:
+    """optuna-dashboard on the storage (Ctrl-C stops it), its best trial the best feasible one as in satlab's report
+    (:mod:`satlab.studies.dashboard`); the note of ``spec``'s study, when it exists, is brought up to date."""
     try:
         from optuna_dashboard import run_server
     except ImportError:
         raise ConfigError("optuna-dashboard is not installed: pip install 'satlab[dashboard]'") from None
+    import optuna
+
+    from satlab.studies.dashboard import dashboard_storage, write_note
     from satlab.studies.storage import open_storage, safe_url
 
     open_storage(storage)  # a clear error for a bad URL or an unreachable server, before the server starts
+    served = dashboard_storage(storage)  # plain reads: the dashboard needs no write-locking transactions
+    if spec is not None and spec.name in {s.study_name for s in served.get_all_studies()}:
+        write_note(optuna.load_study(study_name=spec.name, storage=served), spec)
     print(f"optuna-dashboard on {safe_url(storage)}: http://{host}:{port}  (Ctrl-C stops it)")
     with contextlib.suppress(KeyboardInterrupt):
-        run_server(storage, host=host, port=port)  # plain reads: the dashboard needs no write-locking transactions
+        run_server(served, host=host, port=port)
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from rich.table import Table
 
@@ -24,12 +23,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(cfg)
         return 0
-    if args.no_progress:
-        os.environ["TQDM_DISABLE"] = "1"  # lm-eval's and the adapter's progress bars too
     from satlab.evaluation.callback import EvaluationCallback
     from satlab.training.run import train
 
-    evaluation = EvaluationCallback(cfg)
+    evaluation = EvaluationCallback(cfg, progress=not args.no_progress)
     train(cfg, preset=experiment, progress=not args.no_progress, callbacks=[evaluation])
     if evaluation.last_results:
         print_evaluation(evaluation.last_results)
@@ -50,13 +47,13 @@ def print_evaluation(metrics: dict[str, float]) -> None:
             table.add_row(key, f"{metrics[key]:.4f}")
     from satlab.evaluation.tasks import FAMILIES
 
-    times = [f"{name.removeprefix('satlab_')} {metrics[f'{TASKS}/{name}/seconds']:.1f}" for name in FAMILIES
+    console = make_console()
+    console.print(table)
+    times = [f"{name.removeprefix('satlab_')} {metrics[f'{TASKS}/{name}/seconds']:.1f} s" for name in FAMILIES
              if f"{TASKS}/{name}/seconds" in metrics]
-    if times:
-        table.add_row("model seconds per task", ", ".join(times))
     if "system/eval_wall_seconds" in metrics:
-        table.add_row("evaluation wall time", f"{metrics['system/eval_wall_seconds']:.1f} s")
-    make_console().print(table)
+        console.print(f"evaluation time: {metrics['system/eval_wall_seconds']:.1f} s"
+                      + (f" (model time per task: {', '.join(times)})" if times else ""))
 
 
 

@@ -223,6 +223,7 @@ class TrackingConfig:
     uri: str | None = None
     artifact_dir: str | None = None
     experiment: str | None = None
+    run_name: str | None = None  # the name the MLflow UI shows (default: the experiment's name); studies set it
     fallback_local: bool = False
     tags: dict[str, str] = field(default_factory=dict)  # extra run tags (a sweep sets mlflow.parentRunId here)
 

@@ -12,6 +12,7 @@ import torch
 from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.gate_logging import log_gate_analysis
 from satlab.evaluation.gates import analyze_gates
+from satlab.evaluation.plots import plot_layer_means
 from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
 
 
@@ -20,12 +21,21 @@ class EvaluationCallback(L.Callback):
     suite needs the whole model in one process, so distributed runs skip it and say so: evaluate their checkpoint
     with `satlab eval` afterwards."""
 
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, progress: bool = True):
         self.cfg = cfg
+        self.progress = progress  # the suite's progress bars
         self._gate_batch: torch.Tensor | None = None
         self.last_results: dict[str, float] = {}
         self.last_gate_scalars: dict[str, float] = {}
         self.end_eval_seconds: float | None = None  # wall time of the evaluation at the end of training
+        self.layer_history: list[tuple[int, list[float]]] = []  # (step, mean gate per layer) at every analysis
+
+    def state_dict(self) -> dict:
+        """Saved in checkpoints: a resumed run's per-layer figure keeps the analyses before the restart."""
+        return {"layer_history": self.layer_history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.layer_history = [(int(step), list(means)) for step, means in state.get("layer_history", [])]
 
     def _client(self, trainer):
         logger = trainer.logger
@@ -44,12 +54,17 @@ class EvaluationCallback(L.Callback):
         with torch.compiler.set_stance("force_eager"):
             report = analyze_gates(pl_module.model, self._batch(trainer, pl_module), trainer.datamodule.tokenizer)
         self.last_gate_scalars = report.scalars() if report is not None else {}  # every rank: a sweep's guard
+        if report is not None and (not self.layer_history or self.layer_history[-1][0] < trainer.global_step):
+            self.layer_history.append((trainer.global_step, report.layer_means()))
         client, run_id = self._client(trainer)
         if not trainer.is_global_zero or client is None:
             return
         if artifacts:  # metrics through the run's logger, which a resumed run does not repeat
             self.last_results |= log_gate_analysis(client, run_id, report, pl_module.model, trainer.global_step,
                                                    log_metrics=trainer.logger.log_metrics)
+            if report is not None:  # one chart for all layers, replaced at every analysis
+                figure = plot_layer_means(report.layers, self.layer_history, report.label)
+                client.log_figure(run_id, figure, "gates/layer_means.png", save_kwargs={"dpi": 120})
         elif report is not None:
             trainer.logger.log_metrics(report.scalars(), step=trainer.global_step)
 
@@ -64,7 +79,8 @@ class EvaluationCallback(L.Callback):
         with torch.compiler.set_stance("force_eager"):
             results = run_tasks(pl_module.model, trainer.datamodule.tokenizer, self.cfg.eval.tasks,
                                 limit=self.cfg.eval.limit, cache_dir=self.cfg.data.cache_dir,
-                                corpus=eval_corpus(self.cfg.data.source), val_fraction=self.cfg.data.val_fraction)
+                                corpus=eval_corpus(self.cfg.data.source), val_fraction=self.cfg.data.val_fraction,
+                                progress=self.progress)
         pl_module.model.train()
         metrics = metric_keys(results)
         self.last_results |= metrics
@@ -72,9 +88,13 @@ class EvaluationCallback(L.Callback):
         if client is not None:  # the suite averages as metrics; every task's numbers as one table per evaluation
             averages = {k: float(v) for k, v in metrics.items() if k.count("/") == 1}
             trainer.logger.log_metrics(averages, step=trainer.global_step)
-            rows = [(task, name, float(value)) for task, values in results.items() for name, value in values.items()]
-            client.log_table(run_id, {"task": [r[0] for r in rows], "metric": [r[1] for r in rows],
-                                      "value": [r[2] for r in rows]}, f"eval/step_{trainer.global_step}/results.json")
+            for table, timing in (("results", False), ("seconds", True)):  # scores apart from timings
+                rows = [(task, name, round(float(value), 4)) for task, values in results.items()
+                        for name, value in values.items() if ("seconds" in name) == timing]
+                if rows:
+                    client.log_table(run_id, {"task": [r[0] for r in rows], "metric": [r[1] for r in rows],
+                                              "value": [r[2] for r in rows]},
+                                     f"eval/step_{trainer.global_step}/{table}.json")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":

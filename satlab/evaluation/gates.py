@@ -90,9 +90,10 @@ class GateReport:
 
     def scalars(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
         """Summary metrics: overall mean, sparsity (over elements; every layer has the same number), share of
-        saturated (layer, head) pairs, dead heads, per layer mean and sparsity. The per-category means (position,
-        token kind) are in :meth:`to_json` and the category plot, not here: as metrics they were dozens of
-        single-point charts in front of the loss curves."""
+        saturated (layer, head) pairs, dead heads. Per layer and per category (position, token kind) they are in
+        :meth:`to_json`, the heatmap, the category plot and the training run's ``gates/layer_means.png``, not
+        here: as metrics they were a chart section per layer, or dozens of single-point charts, in front of the
+        loss curves."""
         out = {
             f"{prefix}/mean": float(self.mean.mean()),
             f"{prefix}/sparsity": float(self.sparsity.mean()),
@@ -100,10 +101,11 @@ class GateReport:
             f"{prefix}/dead_heads": float(self.dead.sum()),
             f"{prefix}/dead_head_frac": float(self.dead.mean()),
         }
-        for row, layer in enumerate(self.layers):
-            out[f"{prefix}/layer_{layer}/mean"] = float(self.mean[row].mean())
-            out[f"{prefix}/layer_{layer}/sparsity"] = float(self.sparsity[row].mean())
         return out
+
+    def layer_means(self) -> list[float]:
+        """The mean gate of each gated layer (over its heads), in :attr:`layers` order."""
+        return [float(row.mean()) for row in self.mean]
 
     def to_json(self) -> dict[str, Any]:
         """The raw tables as plain JSON data (lists indexed [gated layer][head])."""

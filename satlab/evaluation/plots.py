@@ -70,12 +70,13 @@ def plot_gate_heatmap(report: GateReport) -> Figure:
 
 
 def plot_gate_categories(report: GateReport) -> Figure:
-    """One panel per category: grouped bars of the mean gate per category value, one bar per gated layer, and a
-    black tick for the mean over all gated layers; tick labels give the token counts."""
+    """One panel per category, stacked: grouped bars of the mean gate per category value, one bar per gated
+    layer, and a black tick for the mean over all gated layers; tick labels give the token counts. Stacked at a
+    fixed width (900 px at the logged 120 dpi) so that MLflow's artifact viewer shows it whole at any depth and
+    sequence length; side by side it grew past 1,500 px."""
     tables = report.categories
-    widths = [max(len(t.values), 2) for t in tables.values()]
-    fig = Figure(figsize=(2.0 + 0.75 * sum(widths), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(tables), width_ratios=widths, sharey=True, squeeze=False)[0]
+    fig = Figure(figsize=(7.5, 0.8 + 2.6 * len(tables)), layout="constrained")
+    axes = fig.subplots(len(tables), 1, sharey=True, squeeze=False)[:, 0]
     cmap = colormaps["viridis"]
     n_layers = len(report.layers)
     bar = 0.8 / n_layers
@@ -90,7 +91,7 @@ def plot_gate_categories(report: GateReport) -> Figure:
         ax.axhline(0, color="grey", linewidth=0.5)
     axes[0].set_ylabel("mean gate")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7, frameon=False)
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7, frameon=False, ncols=1 + len(labels) // 14)
     fig.suptitle(f"{report.label}: gate by token category ({report.gate_fn}, {report.granularity})", fontsize=10)
     return fig
 
@@ -179,6 +180,24 @@ def plot_value_access(curves: Mapping[str, Mapping[int, float]]) -> Figure:
     ax.set_title("Value access per layer", fontsize=10)
     if curves:
         ax.legend(fontsize=8)
+    return fig
+
+
+def plot_layer_means(layers: list[int], history: list[tuple[int, list[float]]], label: str) -> Figure:
+    """The mean gate of every gated layer against the training step, one line per layer (coloured by depth), in
+    one chart: how access to V_1 develops, layer by layer."""
+    fig = Figure(figsize=(7.5, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    cmap = colormaps["viridis"]
+    steps = [step for step, _ in history]
+    values = np.array([means for _, means in history])
+    for column, layer in enumerate(layers):
+        ax.plot(steps, values[:, column], marker="o" if len(steps) < 12 else None, markersize=3,
+                color=cmap(column / max(len(layers) - 1, 1)), label=f"layer {layer}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean gate")
+    ax.set_title(f"{label}: mean gate per layer", fontsize=10)
+    fig.legend(loc="outside right upper", fontsize=7, frameon=False, ncols=1 + len(layers) // 14)
     return fig
 
 

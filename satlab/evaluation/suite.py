@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from unittest.mock import patch
 from urllib.parse import urlparse
 
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
+from tqdm import tqdm
 
 from satlab.config.errors import ConfigError
 from satlab.data.corpora import CORPORA
@@ -64,11 +67,12 @@ def run_offline_suite(model: DecoderLM, tokenizer: TextTokenizer, tasks: list[st
 def run_tasks(model: DecoderLM, tokenizer: TextTokenizer, tasks: Sequence[str], limit: int | None = None,
               cache_dir: str | Path = DEFAULT_CACHE_DIR, seed: int = 0, corpus: str = "shakespeare",
               val_fraction: float = 0.05, batch_size: int | None = None,
-              bootstrap_iters: int = 0) -> dict[str, dict[str, float]]:
+              bootstrap_iters: int = 0, progress: bool = True) -> dict[str, dict[str, float]]:
     """Any mix of offline task names, ``paper_zero_shot``/``paper_retrieval`` and lm-eval task names.
 
     For hub tasks ``limit`` is lm-eval's items per task; they need the Hugging Face hub unless their datasets are
     cached and ``HF_DATASETS_OFFLINE=1`` is set. ``bootstrap_iters`` > 0 adds lm-eval's ``*_stderr`` metrics.
+    ``progress=False`` hides the progress bars (lm-eval's included).
     The model is left in the train/eval mode it came in, and the global random generators are not reseeded (so
     a training run that evaluates midway keeps its random streams; the scoring itself draws no random numbers).
     """
@@ -88,9 +92,10 @@ def run_tasks(model: DecoderLM, tokenizer: TextTokenizer, tasks: Sequence[str], 
     was_training = model.training
     try:
         lm = SatlabLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
-        output = simple_evaluate(lm, tasks=offline + hub, task_manager=manager, limit=limit, log_samples=False,
-                                 bootstrap_iters=bootstrap_iters, random_seed=None, numpy_random_seed=None,
-                                 torch_random_seed=None)
+        with progress_bars(progress):
+            output = simple_evaluate(lm, tasks=offline + hub, task_manager=manager, limit=limit, log_samples=False,
+                                     bootstrap_iters=bootstrap_iters, random_seed=None, numpy_random_seed=None,
+                                     torch_random_seed=None)
     except OSError as error:  # datasets' ConnectionError and the hub client's errors are all OSErrors
         if not hub:
             raise
@@ -100,6 +105,27 @@ def run_tasks(model: DecoderLM, tokenizer: TextTokenizer, tasks: Sequence[str], 
     finally:
         model.train(was_training)
     return with_seconds(with_averages(collect_results(output["results"])), lm.task_seconds)
+
+
+@contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """Hide the evaluation's progress bars unless ``shown``. lm-eval draws one while building each task's requests
+    (``lm_eval.api.task``) with no switch to turn it off, so the ``tqdm`` that its modules and the adapter call is
+    replaced by a disabled one for the evaluation only; tqdm's ``TQDM_DISABLE`` is read once, at its import."""
+    if shown:
+        yield
+        return
+    import lm_eval.api.model
+    import lm_eval.api.task
+
+    from satlab.evaluation import lm_adapter
+
+    def quiet(*args, **kwargs) -> tqdm:  # not functools.partial: a caller's own disable=False would win
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    with patch.object(lm_eval.api.task, "tqdm", quiet), patch.object(lm_eval.api.model, "tqdm", quiet), \
+            patch.object(lm_adapter, "tqdm", quiet):
+        yield
 
 
 def eval_corpus(source: str) -> str:

@@ -19,28 +19,36 @@ from satlab.studies.results import GroupResult  # noqa: E402
 
 def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Path, title: str,
                 ylabel: str = "validation loss") -> Path | None:
-    """One line per group at the token counts its seeds share, shaded from the lowest to the highest seed. None
-    when no run logged a curve."""
+    """The learning curves (:func:`draw_curves`) in one plot. None when no run logged a curve past its start."""
     figure, axes = plt.subplots(figsize=(8, 5))
-    tops = []
-    for i, group in enumerate(g for g in groups if any(c.curve for c in g.cells)):
-        tokens, rows = group.shared_curve()
-        if not tokens:
-            continue
-        values = np.array(rows)
-        color = plt.get_cmap("tab10")(i % 10)
-        axes.plot(tokens, values.mean(axis=0), color=color, marker="o", markersize=3,
-                  label=f"{labels[group.label]} (n={len(rows)})")
-        if len(rows) > 1:
-            axes.fill_between(tokens, values.min(axis=0), values.max(axis=0), color=color, alpha=0.15, linewidth=0)
-        tops.append(values[:, 1:].max() if values.shape[1] > 1 else values.max())
-    if not tops:
+    if not draw_curves(axes, groups, labels):
         plt.close(figure)
         return None
-    low, _ = axes.get_ylim()
-    axes.set_ylim(low, max(tops) + 0.05 * (max(tops) - low))  # the untrained first point would squash the rest
     axes.xaxis.set_major_formatter(EngFormatter())
-    return _save(figure, path, title, axes, "tokens seen", ylabel)
+    return _save(figure, path, title, axes, "tokens seen (the untrained validation at 0 left out)", ylabel)
+
+
+def draw_curves(axes: plt.Axes, groups: Sequence[GroupResult], labels: dict[str, str]) -> bool:
+    """One line per group at the token counts its seeds share, shaded from the lowest to the highest seed, from the
+    first validation after training began; whether any group had one. The validation before training (at 0 tokens)
+    is left out: it is about the same for every cell (a loss near log(vocabulary)), compares nothing, and on the
+    same scale would squash the differences the plot is for; the matched-token table leaves it out too. The y-range
+    is then matplotlib's own fit of everything drawn, so no curve leaves the frame (a range cut below the first
+    point would clip the start of the curves)."""
+    drawn = False
+    for i, group in enumerate(g for g in groups if any(c.curve for c in g.cells)):
+        tokens, rows = group.shared_curve()
+        trained = [j for j, t in enumerate(tokens) if t > 0]
+        if not trained:
+            continue
+        x, values = [tokens[j] for j in trained], np.array(rows)[:, trained]
+        color = plt.get_cmap("tab10")(i % 10)
+        axes.plot(x, values.mean(axis=0), color=color, marker="o", markersize=3,
+                  label=f"{labels[group.label]} (n={len(rows)})")
+        if len(rows) > 1:
+            axes.fill_between(x, values.min(axis=0), values.max(axis=0), color=color, alpha=0.15, linewidth=0)
+        drawn = True
+    return drawn
 
 
 def metric_vs_axis(groups: Sequence[GroupResult], axis: str, line_key: str, metric: str, names: dict[str, str],

@@ -2,8 +2,11 @@
 under ``report/`` on the parent run. Per group of cells (equal on every axis but the seed): mean ± std over seeds of
 each measure (:mod:`satlab.studies.results`) and Welch p-values, against the baseline group or, for a recall
 ablation over ``model.arch``, against the Transformer and ResFormer at the same values of the other axes. With
-``model.arch`` an axis, the paper's claims are checked on these numbers and stated plainly: held, contradicted, not
-resolved (with what it would take) or not measurable at this scale (:mod:`satlab.studies.stats`).
+``model.arch`` an axis, the paper's claims about architectures the ablation has are checked on these numbers and
+stated plainly: held, contradicted, not resolved (with what it would take) or not measurable at this scale
+(:mod:`satlab.studies.stats`). The numbers and verdicts also go onto the parent run as metrics, params and tags
+(:mod:`satlab.studies.parent_results`); ``report.html`` carries its figures inside it, as MLflow's artifact viewer
+cannot load the files beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from pathlib import Path
 
 import mlflow
 import pandas as pd
-from markdown_it import MarkdownIt
 from rich.console import Console
 from rich.table import Table
 
@@ -23,6 +25,8 @@ from satlab.evaluation.tasks import RETRIEVAL, chance_level
 from satlab.models.architecture import ARCHITECTURES
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
 from satlab.studies.loader import load_ablation
+from satlab.studies.parent_results import log_results, mlflow_name
+from satlab.studies.report_html import markdown_page
 from satlab.studies.results import (
     RECALL_MEASURES,
     Column,
@@ -48,9 +52,6 @@ BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
 RECALL_REFERENCES = ("transformer", "resformer")
 CLAIMED_LOSS_ORDER = ("satformer", "resformer", "transformer")  # the paper's validation-loss claim, best first
-_CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
-        "table{border-collapse:collapse;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        "th:first-child,td:first-child{text-align:left}img{max-width:100%}code{background:#f3f3f3;padding:0 3px}")
 
 
 def arch_names() -> dict[str, str]:
@@ -65,18 +66,21 @@ def order_text(archs: Sequence[str]) -> str:
 
 @dataclass
 class Comparison:
-    """What a p column compares each group with; the reference's own cell shows ``mark``."""
+    """What a p column compares each group with; the reference's own cell shows ``mark``. ``key`` names the p-value
+    in summary.json and on the parent run: ``p``, or ``p_vs_<arch>`` beside several references."""
 
     suffix: str
     mark: str
     reference: Callable[[GroupResult], GroupResult | None]
+    key: str = "p"
 
 
 def comparisons(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) \
         -> tuple[dict[str, str], list[Comparison]]:
     if measures is RECALL_MEASURES and "model.arch" in spec.group_axes():
         return REFERENCE_P, [Comparison(f" vs {arch_names()[a]}", "reference",
-                                        lambda g, a=a: reference_group(groups, g, a)) for a in RECALL_REFERENCES]
+                                        lambda g, a=a: reference_group(groups, g, a), f"p_vs_{a}")
+                             for a in RECALL_REFERENCES]
     baseline_arch = spec.baseline_values().get("model.arch")
     if "model.arch" in spec.group_axes() and baseline_arch is not None:  # the same corpus (or other axes) only
         return BASELINE_P, [Comparison("", "baseline", lambda g: reference_group(groups, g, baseline_arch))]
@@ -113,15 +117,23 @@ def cell_text(group: GroupResult, column: Column) -> str:
     return column.fmt.format(mean) + ("" if std is None else f" ± {column.fmt.format(std)}") + reached
 
 
-def group_p(group: GroupResult, comparison: Comparison, column: Column) -> str:
-    """Welch's p of ``column``; for a censored measure only when every cell of both groups reached it."""
+def comparison_p(group: GroupResult, comparison: Comparison, column: Column) -> float | None:
+    """Welch's p of ``column`` against the group's reference; for a censored measure only when every cell of both
+    groups reached it. None for the reference itself, without one, or with fewer than two values a side."""
     reference = comparison.reference(group)
     if reference is None or reference is group:
-        return "—" if reference is None else comparison.mark
+        return None
     a, b = group.samples(column.name), reference.samples(column.name)
     if is_censored(column) and (len(a) < len(group.cells) or len(b) < len(reference.cells)):
-        return "—"
-    return format_p(welch_p(a, b))
+        return None
+    return welch_p(a, b)
+
+
+def group_p(group: GroupResult, comparison: Comparison, column: Column) -> str:
+    """The p column's text: :func:`comparison_p`, or the comparison's mark in the reference's own row."""
+    if comparison.reference(group) is group:
+        return comparison.mark
+    return format_p(comparison_p(group, comparison, column))
 
 
 def results_table(spec: AblationSpec, groups: Sequence[GroupResult], labels: dict[str, str],
@@ -145,6 +157,36 @@ def results_table(spec: AblationSpec, groups: Sequence[GroupResult], labels: dic
                 row += [group_p(group, c, column) for c in against]
         rows.append(row)
     return rows
+
+
+def group_keys(groups: Sequence[GroupResult], labels: dict[str, str]) -> dict[str, str]:
+    """Per group its name in the parent run's keys: its label, MLflow-safe (``satformer``, ``source-kjv
+    arch-satformer``); numbered in grid order when two labels would read alike."""
+    keys = {g.label: mlflow_name(labels[g.label]) for g in groups}
+    if len(set(keys.values())) < len(keys):
+        keys = {label: f"{i:02d} {key}" for i, (label, key) in enumerate(keys.items())}
+    return keys
+
+
+def group_numbers(spec: AblationSpec, groups: Sequence[GroupResult], keys: dict[str, str],
+                  measures: Measures) -> dict[str, dict]:
+    """The numbers behind the table, per group by its key (:func:`group_keys`): the group, its finished cells,
+    parameter count and, per measure some cell logged, the mean, std and count over seeds and the p-values of its p
+    columns (:attr:`Comparison.key`; None where the table shows a mark or —). summary.json's ``groups``: what the
+    parent run's metrics are made of."""
+    tested, against = comparisons(spec, groups, measures)
+    numbers = {}
+    for group in groups:
+        measured: dict[str, dict] = {}
+        for column in measures.columns:
+            if values := group.samples(column.name):
+                mean, std = mean_std(values)
+                measured[column.name] = {"mean": mean, "std": std, "n": len(values)}
+                if column.name in tested:
+                    measured[column.name] |= {c.key: comparison_p(group, c, column) for c in against}
+        numbers[keys[group.label]] = {"group": group.label, "cells": len(group.cells), "expected": group.expected,
+                                      "model_params": group.params, "measures": measured}
+    return numbers
 
 
 def by_seed(group: GroupResult | None, column: str) -> dict:
@@ -182,7 +224,8 @@ def matched_token_rows(groups: Sequence[GroupResult], labels: dict[str, str], me
 def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]]:
     """Per point of the other axes (a corpus), the paper's three architectures in order of mean validation loss at
     each token count they share (best first): whether an order at the end of a run already held earlier, and
-    whether it persists in a run with a longer budget."""
+    whether it persists in a run with a longer budget. Only points where all three have a shared validation: an
+    ablation without one of them has no order to give."""
     orders: dict[str, dict[str, list[str]]] = {}
     for group in (g for g in groups if g.values.get("model.arch") in CLAIMED_LOSS_ORDER):
         tokens, values = group.shared_curve()
@@ -190,8 +233,9 @@ def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]
             if t and values:
                 means = orders.setdefault(point_label(group), {}).setdefault(f"{t:.0f}", {})
                 means[group.values["model.arch"]] = sum(v[i] for v in values) / len(values)
-    return {point: {t: sorted(means, key=means.get) for t, means in by_tokens.items() if len(means) == 3}
-            for point, by_tokens in orders.items()}
+    complete = {point: {t: sorted(means, key=means.get) for t, means in by_tokens.items() if len(means) == 3}
+                for point, by_tokens in orders.items()}
+    return {point: by_tokens for point, by_tokens in complete.items() if by_tokens}  # no point without an order
 
 
 def budget_comparison(spec: AblationSpec, client: mlflow.MlflowClient,
@@ -214,45 +258,87 @@ def budget_comparison(spec: AblationSpec, client: mlflow.MlflowClient,
     return comparison
 
 
+@dataclass(frozen=True)
+class Claim:
+    """One of the paper's claims at one point of the other axes: ``key`` names it where its sentence cannot (the
+    parent run's tag ``verdict.<key>``), ``subjects`` are the architectures it is about, ``check`` gives its
+    undecided verdict."""
+
+    key: str
+    subjects: tuple[str, ...]
+    check: Callable[[], Verdict]
+
+
+def claim_key(name: str, point: str) -> str:
+    """``loss_order``, ``loss_order.source-kjv``, ``loss_order.pooled``: the claim, and where when not everywhere."""
+    return f"{name}.{mlflow_name(point)}" if point else name
+
+
 def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
-    """The paper's claims on the architecture groups at every point of the other axes (a corpus axis, say) and,
-    with more than one point, pooled over them; for a recall ablation, "SATFormer retrieves better" at every point
-    (the difficulties). Holm's correction runs over all of them together."""
+    """The paper's claims on the architecture groups (:func:`loss_claims`, :func:`recall_claims`) that are about
+    architectures this ablation has, checked; Holm's correction runs over all of them together."""
     if "model.arch" not in spec.group_axes():
         return []
-    if measures is RECALL_MEASURES:
-        verdicts = []
-        for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
-            point = point_label(group) or "this setting"
-            for arch in RECALL_REFERENCES:
+    claims = recall_claims(groups) if measures is RECALL_MEASURES else loss_claims(groups)
+    return checked(claims, {g.values["model.arch"] for g in groups})
+
+
+def checked(claims: Sequence[Claim], archs: set[str]) -> list[Verdict]:
+    """The claims whose subjects are all among ``archs`` (and that have another architecture to compare with),
+    decided and keyed. A claim about an architecture the ablation does not have is no finding of it: it is left out,
+    not reported as "could not be checked" (which says a cell of the ablation is missing or too few)."""
+    verdicts = []
+    for claim in claims:
+        if len(archs) > 1 and archs.issuperset(claim.subjects):
+            verdict = claim.check()
+            verdict.key = claim.key
+            verdicts.append(verdict)
+    return decide_all(verdicts)
+
+
+def recall_claims(groups: Sequence[GroupResult]) -> list[Claim]:
+    """"SATFormer retrieves better" than each reference architecture, at every point of the other axes (the
+    difficulties)."""
+    claims = []
+    for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
+        point = point_label(group)
+        for arch in RECALL_REFERENCES:
+            def check(group: GroupResult = group, arch: str = arch, where: str = point or "this setting") -> Verdict:
                 samples = {"satformer": by_seed(group, "recall_acc"),
                            arch: by_seed(reference_group(groups, group, arch), "recall_acc")}
-                verdicts.append(best_verdict(samples, "satformer", f"SATFormer retrieves better than "
-                                             f"{arch_names()[arch]} (held-out accuracy, {point})", labels=arch_names()))
-        return decide_all(verdicts)
+                return best_verdict(samples, "satformer", f"SATFormer retrieves better than {arch_names()[arch]} "
+                                    f"(held-out accuracy, {where})", labels=arch_names())
+
+            claims.append(Claim(claim_key(f"recall_vs_{arch}", point), ("satformer", arch), check))
+    return claims
+
+
+def loss_claims(groups: Sequence[GroupResult]) -> list[Claim]:
+    """SATFormer < ResFormer < Transformer in final validation loss, and SATFormer best on the retrieval average, at
+    every point of the other axes (a corpus axis, say) and, with more than one point, pooled over them."""
     points: dict[str, dict[str, GroupResult]] = {}  # one per value of the other axes (a corpus axis, say)
     for group in groups:
-        point = point_label(group)
-        points.setdefault(point, {})[group.values["model.arch"]] = group
+        points.setdefault(point_label(group), {})[group.values["model.arch"]] = group
     retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
 
-    def claims(samples: Callable[[str], dict[str, dict]], where: str) -> list[Verdict]:
-        return [ordering_verdict(samples("val_loss"), list(CLAIMED_LOSS_ORDER),
-                                 f"SATFormer < ResFormer < Transformer in final validation loss{where}",
-                                 labels=arch_names()),
-                best_verdict(samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
-                             labels=arch_names(), chance=retrieval_chance)]
+    def claims(samples: Callable[[str], dict[str, dict]], where: str, point: str) -> list[Claim]:
+        return [Claim(claim_key("loss_order", point), CLAIMED_LOSS_ORDER, lambda: ordering_verdict(
+                    samples("val_loss"), list(CLAIMED_LOSS_ORDER),
+                    f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names())),
+                Claim(claim_key("retrieval_best", point), ("satformer",), lambda: best_verdict(
+                    samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
+                    labels=arch_names(), chance=retrieval_chance))]
 
-    verdicts = []
+    found = []
     for point, by_arch in points.items():
-        verdicts += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
-                           f" ({point})" if point else "")
+        found += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
+                        f" ({point})" if point else "", point)
     if len(points) > 1:  # pooled: a cell is paired with the cell of the same point and seed
-        verdicts += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
-                                                  for seed, value in by_seed(by_arch.get(arch), column).items()}
-                                           for arch in {a for by_arch in points.values() for a in by_arch}},
-                           " (pooled over " + "; ".join(points) + ")")
-    return decide_all(verdicts)
+        found += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
+                                               for seed, value in by_seed(by_arch.get(arch), column).items()}
+                                        for arch in {a for by_arch in points.values() for a in by_arch}},
+                        " (pooled over " + "; ".join(points) + ")", "pooled")
+    return found
 
 
 def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Sequence[GroupResult],
@@ -283,7 +369,9 @@ def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Seque
 
 def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str, out_dir: Path | None = None,
                  console: Console | None = None) -> dict[str, Path]:
-    """Write the report files and log them on the parent run; returns ``{"markdown", "html", ...}`` paths."""
+    """Write the report files and log them on the parent run, with the numbers and verdicts as its metrics, params
+    and tags (:func:`satlab.studies.parent_results.log_results`: a second report replaces the first's values);
+    returns ``{"markdown", "html", "summary", <figure>...}`` paths."""
     out = out_dir or spec.out_path()
     out.mkdir(parents=True, exist_ok=True)
     measures = measures_for(spec)
@@ -297,34 +385,43 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     files = write_figures(spec, client, groups, labels, measures, out)
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets)
-    body = MarkdownIt("commonmark").enable("table").render(text)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
-               "verdicts": [{"claim": v.claim, "outcome": v.outcome, "detail": v.detail,
-                             "comparisons": [asdict(c) for c in v.comparisons]} for v in verdicts],
+               "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
+               "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
                "budget_comparison": budgets,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
-            ("html", "report.html", f"<!doctype html>\n<html><head><meta charset='utf-8'><title>ablation {spec.name}"
-                                    f"</title><style>{_CSS}</style></head><body>\n{body}</body></html>\n"),
+            ("html", "report.html", markdown_page(text, f"ablation {spec.name}", out)),
             ("summary", "summary.json", json.dumps(summary, indent=2))):
         files[name] = out / filename
         files[name].write_text(content)
     for path in files.values():
         client.log_artifact(parent_run_id, str(path), "report")
+    log_results(client, parent_run_id, summary)
     if console is not None:
-        table = Table(title=f"ablation '{spec.name}' (mean ± std over seeds)")
-        for i, header in enumerate(rows[0]):
-            table.add_column(header, justify="left" if i == 0 else "right")
-        for row in rows[1:]:
-            table.add_row(*row)
-        console.print(table)
-        for verdict in verdicts:
-            console.print(f"- {verdict.sentence().replace('**', '')}", soft_wrap=True)
+        print_results(console, spec, rows, verdicts)
         console.print(f"report: {files['markdown']} and {files['html']} (also on the parent run {parent_run_id})",
                       soft_wrap=True)
     return files
+
+
+def verdict_summary(verdict: Verdict) -> dict:
+    """A verdict in summary.json: with its key, and each comparison with the p-value its verdict used (``p``)."""
+    return {"key": verdict.key, "claim": verdict.claim, "outcome": verdict.outcome, "detail": verdict.detail,
+            "comparisons": [asdict(c) | {"p": c.p} for c in verdict.comparisons]}
+
+
+def print_results(console: Console, spec: AblationSpec, rows: list[list[str]], verdicts: list[Verdict]) -> None:
+    table = Table(title=f"ablation '{spec.name}' (mean ± std over seeds)")
+    for i, header in enumerate(rows[0]):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    console.print(table)
+    for verdict in verdicts:
+        console.print(f"- {verdict.sentence().replace('**', '')}", soft_wrap=True)
 
 
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
@@ -392,8 +489,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
         lines += [""]
     if "accuracy_vs_difficulty" in files:
         lines += ["## Accuracy against difficulty", "", "![accuracy vs difficulty](accuracy_vs_difficulty.png)", ""]
-    lines += ["## Learning curves", "", f"![{measures.curve_label}](loss_curves.png)" if "loss_curves" in files else
-              "No validation curve was logged.", "", "## Gate heatmaps", "",
+    lines += ["## Learning curves", "", *curve_lines(files, measures), "", "## Gate heatmaps", "",
               "![gate heatmaps](gate_heatmaps.png)" if "gate_heatmaps" in files else
               "No cell logged a gate heatmap (no gated architecture, or gate analysis not run).", ""]
     headline = measures.columns[0]
@@ -405,3 +501,11 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
         run = "not finished" if result is None else f"`{result.run_id}`"
         lines.append(f"| `{cell.key}` | {run} | {'—' if value is None else headline.fmt.format(value)} |")
     return "\n".join(lines) + "\n"
+
+
+def curve_lines(files: dict[str, Path], measures: Measures) -> list[str]:
+    if "loss_curves" not in files:
+        return ["No validation curve was logged."]
+    return [f"![{measures.curve_label}](loss_curves.png)", "",
+            f"Mean {measures.curve_label} over seeds (shaded: lowest to highest seed) from the first validation after "
+            "training began; the one before it (0 tokens, about the same for every cell) is left out."]

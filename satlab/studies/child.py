@@ -75,7 +75,8 @@ def run_trial(experiment: str) -> int:
         trial.set_user_attr(A.PID, os.getpid())
     metric = spec.objective.metric if search else "val/loss"
     guard = spec.saturation if search else SaturationGuard(threshold=None)
-    evaluation = EvaluationCallback(cfg)  # runs first: its gate statistics are logged, and guard the trial
+    # runs first: its gate statistics are logged, and guard the trial; a trial's log gets no progress bars
+    evaluation = EvaluationCallback(cfg, progress=False)
     callback = TrialCallback(trial if rank_zero else None, guard, evaluation, metric)
     try:
         result = train(cfg, preset=f"{spec.kind}:{spec.name}", progress=False, callbacks=[evaluation, callback])

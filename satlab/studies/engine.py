@@ -24,14 +24,32 @@ from rich.console import Console
 from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
 from satlab.studies import attrs as A
+from satlab.studies.dashboard import write_note
 from satlab.studies.plans import GridPlan, Plan, SearchPlan
-from satlab.studies.runs import create_parent_run, find_parent_run, finished_cells, save_spec, usable_run
+from satlab.studies.runs import (
+    GROUP_TAG,
+    PARENT_TAG,
+    create_parent_run,
+    find_parent_run,
+    finished_cells,
+    save_spec,
+    usable_run,
+)
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.storage import open_storage, safe_url
 from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local_trials
 from satlab.training.chatter import library_chatter_to
 from satlab.training.tracking import ensure_reachable, open_store, resolve_tracking
+from satlab.training.views import (
+    comparison_state,
+    comparison_url,
+    open_lines,
+    param_column,
+    publish,
+    run_url,
+    tag_column,
+)
 
 STUDY_LOG = "study.log"  # the libraries' notices of the driver; each trial's are in its run folder's train.log
 
@@ -80,6 +98,7 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     client = mlflow.MlflowClient(uri)
     study, created = open_study(spec, plan, rdb)
     parent_id = retry.parent_run_id = ensure_parent_run(client, study, spec, uri, artifacts, created)
+    view_url = publish_study_view(client, spec, parent_id, uri)
     retry.client = client
     state = StudyState(Path(spec.out_dir) / STATE_FILE)
     state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
@@ -106,7 +125,28 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
         from satlab.studies.ablation_report import write_report
 
         result.report = write_report(spec, client, parent_id, console=console)
+    parent = client.get_run(parent_id)
+    rows = open_lines(uri, view_url) + [("the study's results", run_url(uri, parent.info.experiment_id, parent_id))]
+    for label, value in rows:
+        console.print(f"{label}: {value}", soft_wrap=True)
     return result
+
+
+def publish_study_view(client: mlflow.MlflowClient, spec: StudySpec, parent_id: str, tracking_uri: str) -> str:
+    """The comparison of the study's runs (the parent's children), named by their values and coloured by group:
+    the loss curves, then (an ablation's) end-of-run accuracies; the table shows each run's group or searched
+    values. Returns its URL."""
+    if isinstance(spec, AblationSpec):
+        columns = [tag_column(GROUP_TAG)]
+        bars = ("zero_shot/offline_zero_shot_avg", "zero_shot/offline_retrieval_avg", "recall/acc")
+    else:
+        columns = [param_column(name) for name in spec.space if name != "model.arch"]
+        bars = ()
+    key = f"satlab-study-{parent_id}"
+    state = comparison_state(f"tags.`{PARENT_TAG}` = '{parent_id}'", bars=bars, columns=columns)
+    experiment = client.get_run(parent_id).info.experiment_id
+    publish(client, experiment, key, state)
+    return comparison_url(tracking_uri, experiment, key)
 
 
 def prepare_data_once(spec: StudySpec, base: ExperimentConfig, console: Console) -> None:
@@ -145,6 +185,8 @@ def open_study(spec: StudySpec, plan: Plan, storage: optuna.storages.RDBStorage)
         study.set_user_attr(A.KIND, spec.kind)
         study.set_user_attr(A.SPEC, replace(spec, storage=None).to_dict())
         study.set_user_attr(A.FINGERPRINT, spec.fingerprint())
+    if isinstance(spec, SweepSpec):
+        write_note(study, spec)  # how to read the dashboard: steps are tokens, what infeasible and best mean
     return study, created
 
 

@@ -11,19 +11,23 @@ import optuna
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
-from satlab.studies.attrs import IGNORED, SUPERSEDED
+from satlab.studies.attrs import ARCH, IGNORED, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
-from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value
+from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value, short_label
+from satlab.training.views import COLOUR_TAG, arch_colour, colour
 
 CONSTRAINT = "gate_saturation"
+DASHBOARD_CONSTRAINTS = "constraints"  # the trial system attr optuna-dashboard 0.21 reads: a list of values
+FEASIBLE = "feasible"  # trial user attr: whether the trial met its constraints (the dashboard lists user attrs)
 
 
 @dataclass
 class Point:
-    """What one trial runs: its key (a cell's, or ``t0007``), file names, run tags and whether it resumes."""
+    """What one trial runs: its key (a cell's, or ``t0007``), file names, run name and tags, whether it resumes."""
 
     key: str
     slug: str
+    label: str  # the run's name in MLflow: its values (``satformer lr=3.1e-3 (trial 7)``)
     tags: dict[str, str] = field(default_factory=dict)
     resume: str = "never"
 
@@ -99,17 +103,23 @@ class SearchPlan:
         return self.spec.objective.direction
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """``model.arch`` first: it decides which of the other parameters apply."""
+        """``model.arch`` first: it decides which of the other parameters apply. The architecture is also the
+        trial's ``arch`` user attribute, searched or fixed (the dashboard lists a trial's user attributes, and
+        ``model.arch`` is among its parameters only when searched)."""
         params: dict[str, Any] = {}
         if "model.arch" in self.spec.space:
             params["model.arch"] = suggest_one(trial, "model.arch", self.spec.space["model.arch"])
+        trial.set_user_attr(ARCH, params.get("model.arch", self.base_arch))
         for name in self.spec.active_params(params.get("model.arch", self.base_arch)):
             if name != "model.arch":
                 params[name] = suggest_one(trial, name, self.spec.space[name])
         return params
 
     def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
-        return Point(f"t{trial.number:04d}", f"t{trial.number:04d}")
+        arch = params.get("model.arch", self.base_arch)
+        values = short_label((k, v) for k, v in params.items() if k != "model.arch")
+        label = f"{arch} {values} (trial {trial.number})".replace("  ", " ")
+        return Point(f"t{trial.number:04d}", f"t{trial.number:04d}", label, {COLOUR_TAG: arch_colour(arch)})
 
     def study_name(self) -> str:
         return self.spec.name
@@ -119,10 +129,19 @@ class SearchPlan:
         return "run" if launched < self.n_trials else "done"
 
     def record_constraint(self, trial: optuna.Trial, saturation: float | None) -> None:
-        """Feasible (for TPE) when the saturated fraction is at most the threshold."""
+        """Feasible (for TPE, ``study.best_trial`` and the report) when the saturated fraction is at most the
+        threshold; a model without gates saturates none. Optuna 5 keeps a named constraint under
+        ``constraints:<name>``, which optuna-dashboard 0.21 does not read: it reads the list under ``constraints``
+        (Optuna's older format, which Optuna still reads too), so the value is recorded both ways. Optuna then sees
+        the value twice; feasibility and TPE's ranking of infeasible trials (by their summed violation) are the
+        same."""
         guard = self.spec.saturation
-        if guard.threshold is not None and guard.constraint:
-            trial.set_constraint(CONSTRAINT, float(saturation or 0.0) - guard.threshold)
+        if guard.threshold is None or not guard.constraint:
+            return
+        value = float(saturation or 0.0) - guard.threshold
+        trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [value])
+        trial.set_constraint(CONSTRAINT, value)
+        trial.set_user_attr(FEASIBLE, value <= 0.0)
 
 
 class GridPlan:
@@ -132,6 +151,8 @@ class GridPlan:
     def __init__(self, spec: AblationSpec):
         self.spec = spec
         self.cells = {c.key: c for c in spec.cells()}
+        cells = list(self.cells.values())
+        self.colours = group_colours([c.group_values for c in cells], [c.group for c in cells])
 
     def study_name(self) -> str:
         return f"{self.spec.name}.{self.spec.fingerprint()}"  # another budget or setting is another study
@@ -153,7 +174,8 @@ class GridPlan:
 
     def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
         cell = self.cell(params)
-        return Point(cell.key, cell.slug, {CELL_TAG: cell.key, GROUP_TAG: cell.group}, resume="auto")
+        tags = {CELL_TAG: cell.key, GROUP_TAG: cell.group, COLOUR_TAG: self.colours[cell.group]}
+        return Point(cell.key, cell.slug, cell.label, tags, resume="auto")
 
     def trials_by_cell(self, study: optuna.Study) -> dict[str, list[FrozenTrial]]:
         """Each cell's trials, less those that do not count (duplicates, superseded)."""
@@ -178,6 +200,15 @@ class GridPlan:
         key = self.cell(params).key
         return any(t.number != trial.number and t.state in (TrialState.RUNNING, TrialState.COMPLETE)
                    for t in self.trials_by_cell(study)[key])
+
+
+def group_colours(values: list[dict[str, Any]], groups: list[str]) -> dict[str, str]:
+    """A colour per group (``values[i]`` are the axis values of ``groups[i]``): its architecture's, as everywhere
+    else, when each group is one architecture; otherwise the groups' own colours in grid order."""
+    archs = {group: v.get("model.arch") for v, group in zip(values, groups, strict=True)}
+    if None not in archs.values() and len(set(archs.values())) == len(archs):
+        return {group: arch_colour(arch) for group, arch in archs.items()}
+    return {group: colour(i) for i, group in enumerate(dict.fromkeys(groups))}
 
 
 def suggest_one(trial: optuna.Trial, name: str, p: Param) -> Any:

@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +45,25 @@ def format_value(value: Any) -> str:
             parsed = None
         return value if parsed == value else json.dumps(value)
     return json.dumps(value)
+
+
+def readable_value(value: Any) -> str:
+    """A value as a person reads it in a run name: ``3.1e-3``, ``0.25``, ``satformer``."""
+    if isinstance(value, float):
+        if value != 0 and not 1e-2 <= abs(value) < 1e4:
+            mantissa, exponent = f"{value:.1e}".split("e")
+            return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+        return f"{value:.3g}"
+    return format_value(value)
+
+
+def short_label(values: Iterable[tuple[str, Any]]) -> str:
+    """``arch=satformer seed=1`` for ``model.arch=satformer train.seed=1``: each key by its last part, unless two
+    keys share it."""
+    items = list(values)
+    last = [key.rsplit(".", 1)[-1] for key, _ in items]
+    return " ".join(f"{short if last.count(short) == 1 else key}={readable_value(value)}"
+                    for (key, value), short in zip(items, last, strict=True))
 
 
 def is_param(value: Any) -> bool:
@@ -265,6 +284,11 @@ class Cell:
 
     def overrides(self) -> list[str]:
         return [f"{k}={format_value(v)}" for k, v in self.values]
+
+    @property
+    def label(self) -> str:
+        """The child run's name in MLflow: ``arch=satformer seed=1``."""
+        return short_label(self.values)
 
 
 @dataclass

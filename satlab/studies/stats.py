@@ -147,12 +147,14 @@ OUTCOMES = ("held", "contradicted", "not resolved", "not measurable at this scal
 
 @dataclass
 class Verdict:
-    """One claim: its ``outcome`` (one of :data:`OUTCOMES`) and the comparisons behind it."""
+    """One claim: its ``outcome`` (one of :data:`OUTCOMES`) and the comparisons behind it; ``key`` names the claim
+    where its sentence cannot (an MLflow tag, say), set by whoever states it."""
 
     claim: str
     outcome: str
     detail: str
     comparisons: list[Comparison] = field(default_factory=list)
+    key: str = ""
 
     def sentence(self) -> str:
         return f"{self.claim}: **{self.outcome}**. {self.detail}"

@@ -3,14 +3,26 @@ table (``trials.csv``, ``trials.md``), ``best.yaml`` (and ``best-<arch>.yaml`` w
 ready-to-run experiments, and PNG plots (matplotlib): the searched learning rate against the objective per
 architecture coloured by gate saturation, and Optuna's optimisation history and parameter importances.
 
-"Best" is the best completed trial whose gates are not saturated beyond the guard's threshold (any completed trial
-when none qualifies): a low loss with pinned gates is not the learning rate to recommend.
+"Best" is the best feasible completed trial (:mod:`satlab.studies.best`; any completed trial when none is feasible):
+feasible as Optuna records it, gates not saturated beyond the guard's threshold when the guard is a constraint. A low
+loss with pinned gates is not the learning rate to recommend; Optuna's ``study.best_trial`` and the dashboard that
+``satlab sweep --dashboard`` serves pick the same trial.
+
+On the parent run, per architecture (the group), in the section the ablation parent runs use for their groups
+(``variants/<group>/...``, :mod:`satlab.studies.parent_results`; it sorts after the trials' ``train/`` and ``val/``
+in MLflow's charts): ``variants/<arch>/best_<objective>`` (``best_val_loss``), the best trial's value of each searched
+numeric parameter (``best_lr``), ``n_complete`` / ``n_pruned`` / ``n_failed`` and ``n_infeasible`` (completed but
+infeasible) as metrics at step = trials finished in the study; the best trial's number and parameters as tags
+(``variants/<arch>/best_trial``, ``variants/<arch>/best/optim.lr``; tags, not params: MLflow refuses to change a param
+when a re-run finds a better trial), and ``sweep.best_trial``, ``sweep.best_arch`` overall.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +32,7 @@ import optuna
 import pandas as pd
 import yaml
 from matplotlib.ticker import NullFormatter
+from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
@@ -30,11 +43,15 @@ from rich.table import Table
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.specs import nest
-from satlab.studies.attrs import REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
-from satlab.studies.spec import SweepSpec
+from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
+from satlab.studies.best import best_trial, is_feasible
+from satlab.studies.spec import SweepSpec, format_value
 
 STALE_REASON = "worker_lost"
 STATE_STYLE = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+GROUP_SECTION = "variants"  # the parent run's per-architecture results, as an ablation's per-group ones
+BEST_TAG = "sweep.best_"  # sweep.best_trial, sweep.best_arch
 
 
 def trial_rows(study: optuna.Study, spec: SweepSpec, base_arch: str) -> list[dict[str, Any]]:
@@ -46,8 +63,8 @@ def trial_rows(study: optuna.Study, spec: SweepSpec, base_arch: str) -> list[dic
     rows = []
     for t in trials:
         steps = sorted(t.intermediate_values.items())
-        rows.append({"trial": t.number, "state": t.state.name, "reason": reason_of(t),
-                     "arch": t.params.get("model.arch", base_arch), **{name: t.params.get(name) for name in names},
+        rows.append({"trial": t.number, "state": t.state.name, "reason": reason_of(t, spec),
+                     "arch": arch_of(t, base_arch), **{name: t.params.get(name) for name in names},
                      spec.objective.metric: t.value if t.state == TrialState.COMPLETE else None,
                      "last_reported": steps[-1][1] if steps else None,
                      "tokens_seen": t.user_attrs.get(TOKENS) or (steps[-1][0] if steps else None),
@@ -57,26 +74,55 @@ def trial_rows(study: optuna.Study, spec: SweepSpec, base_arch: str) -> list[dic
     return rows
 
 
-def reason_of(trial: FrozenTrial) -> str:
-    """The recorded reason; a failed trial without one was failed by heartbeat (its worker died with it)."""
+def reason_of(trial: FrozenTrial, spec: SweepSpec) -> str:
+    """The recorded reason; a failed trial without one was failed by heartbeat (its worker died with it); a
+    completed trial has one when it is infeasible."""
     recorded = trial.user_attrs.get(REASON)
     if trial.state == TrialState.FAIL:
         return recorded or STALE_REASON
-    return (recorded or "pruned") if trial.state == TrialState.PRUNED else ""
+    if trial.state == TrialState.PRUNED:
+        return recorded or "pruned"
+    return "" if trial.state != TrialState.COMPLETE or is_feasible(trial) else infeasible_reason(trial, spec)
+
+
+def infeasible_reason(trial: FrozenTrial, spec: SweepSpec) -> str:
+    saturation, threshold = trial.user_attrs.get(SATURATION), spec.saturation.threshold
+    if saturation is None or threshold is None:
+        return "infeasible"
+    return f"infeasible: {saturation:.0%} of gates saturated > {threshold:.0%}"
+
+
+def arch_of(trial: FrozenTrial, base_arch: str) -> str:
+    return str(trial.params.get("model.arch", trial.user_attrs.get(ARCH, base_arch)))
+
+
+def by_arch(trials: Iterable[FrozenTrial], base_arch: str) -> dict[str, list[FrozenTrial]]:
+    """The finished trials of each architecture (a running one may not have suggested ``model.arch`` yet)."""
+    groups: dict[str, list[FrozenTrial]] = {}
+    for trial in trials:
+        if trial.state in FINISHED:
+            groups.setdefault(arch_of(trial, base_arch), []).append(trial)
+    return groups
 
 
 def best_trials(study: optuna.Study, spec: SweepSpec, base_arch: str) -> dict[str, FrozenTrial]:
-    """``{"": best overall, arch: best of that architecture}`` among completed trials (see the module docstring)."""
-    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
-    threshold = spec.saturation.threshold
-    feasible = [t for t in complete
-                if threshold is None or (t.user_attrs.get(SATURATION) or 0.0) <= threshold] or complete
-    sign = 1.0 if spec.objective.direction == "minimize" else -1.0
-    best: dict[str, FrozenTrial] = {}
-    for trial in sorted(feasible, key=lambda t: sign * t.value):
-        best.setdefault("", trial)
-        best.setdefault(trial.params.get("model.arch", base_arch), trial)
-    return best
+    """``{"": best overall, arch: best of that architecture, ...}``, the architectures best first (see the module
+    docstring); ``[""]`` is Optuna's ``study.best_trial`` whenever a completed trial is feasible."""
+    trials = study.get_trials(deepcopy=False)
+    direction = spec.objective.direction
+    groups = {arch: best_trial(group, direction) for arch, group in by_arch(trials, base_arch).items()}
+    sign = 1.0 if direction == "minimize" else -1.0
+    ranked = sorted(((a, t) for a, t in groups.items() if t is not None),
+                    key=lambda item: (not is_feasible(item[1]), sign * item[1].value, item[1].number))
+    overall = best_trial(trials, direction)
+    return ({"": overall} if overall is not None else {}) | dict(ranked)
+
+
+def passed_over(trials: Iterable[FrozenTrial], best: FrozenTrial, direction: str) -> list[FrozenTrial]:
+    """The completed trials with a better value than ``best``: infeasible ones, which the best trial skips."""
+    sign = 1.0 if direction == "minimize" else -1.0
+    return [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+            and sign * t.value < sign * best.value]  # type: ignore[operator]
 
 
 def best_config_text(spec: SweepSpec, trial: FrozenTrial, name: str) -> str:
@@ -116,21 +162,62 @@ def write_report(study: optuna.Study, spec: SweepSpec, base_arch: str, client: m
     if client is not None and parent_run_id is not None:
         try:
             client.log_artifacts(parent_run_id, str(out), "report")
-            for arch, trial in best.items():
-                client.log_metric(parent_run_id, f"best/{arch + '/' if arch else ''}{spec.objective.metric}",
-                                  trial.value)
-            if "" in best:
-                client.set_tag(parent_run_id, "best_trial", str(best[""].number))
+            metrics, tags = parent_results(study, spec, base_arch)
+            finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
+            log_results(client, parent_run_id, metrics, tags, step=finished)
         except MlflowException as e:
             print(f"satlab sweep: could not log the report on the parent run {parent_run_id}: {e}")
-    print_summary(rows, best, spec, notes, out, console or Console())
+    print_summary(rows, best, spec, notes, out, console or Console(), study.get_trials(deepcopy=False), base_arch)
     return files
 
 
+def parent_results(study: optuna.Study, spec: SweepSpec, base_arch: str) -> tuple[dict[str, float], dict[str, str]]:
+    """The study's results for the parent run: (metrics, tags) named as in the module docstring."""
+    trials = study.get_trials(deepcopy=False)
+    numeric = [n for n, p in spec.space.items() if p.type in ("float", "int")]
+    leaves = [n.rsplit(".", 1)[-1] for n in numeric]
+    param_keys = {n: f"best_{leaf if leaves.count(leaf) == 1 else n.replace('.', '_')}"
+                  for n, leaf in zip(numeric, leaves, strict=True)}  # optim.lr: best_lr, unless two are "lr"
+    objective_key = f"best_{spec.objective.metric.replace('/', '_')}"
+    metrics: dict[str, float] = {}
+    tags: dict[str, str] = {}
+    for arch, group in by_arch(trials, base_arch).items():
+        prefix = f"{GROUP_SECTION}/{arch}/"
+        complete = [t for t in group if t.state == TrialState.COMPLETE]
+        metrics.update({f"{prefix}n_complete": len(complete),
+                        f"{prefix}n_pruned": sum(t.state == TrialState.PRUNED for t in group),
+                        f"{prefix}n_failed": sum(t.state == TrialState.FAIL for t in group),
+                        f"{prefix}n_infeasible": sum(not is_feasible(t) for t in complete)})
+        best = best_trial(group, spec.objective.direction)
+        if best is None:
+            continue
+        metrics[prefix + objective_key] = float(best.value)  # type: ignore[arg-type]
+        metrics.update({prefix + key: float(best.params[n]) for n, key in param_keys.items() if n in best.params})
+        tags.update({f"{prefix}best_trial": str(best.number), f"{prefix}best_feasible": str(is_feasible(best)).lower(),
+                     **{f"{prefix}best/{k}": format_value(v) for k, v in best.params.items() if k != "model.arch"}})
+    if (overall := best_trial(trials, spec.objective.direction)) is not None:
+        tags.update({f"{BEST_TAG}trial": str(overall.number), f"{BEST_TAG}arch": arch_of(overall, base_arch)})
+    return metrics, tags
+
+
+def log_results(client: mlflow.MlflowClient, run_id: str, metrics: dict[str, float], tags: dict[str, str],
+                step: int) -> None:
+    """``metrics`` at ``step`` (the trials finished so far), skipping a point the run has already: MLflow appends
+    every point logged, and each re-run of the command (``--n-trials 0`` too) writes the report again. A later run
+    with more trials adds a point at a later step: the metric's history is the study's progress."""
+    timestamp = int(time.time() * 1000)
+    new = [Metric(key, value, timestamp, step) for key, value in metrics.items()
+           if not any(p.step == step and p.value == value for p in client.get_metric_history(run_id, key))]
+    items = [RunTag(key, value[:5000]) for key, value in tags.items()]
+    for start in range(0, max(len(new), len(items)), 100):  # MLflow takes at most 100 tags in one batch
+        client.log_batch(run_id, metrics=new[start:start + 100], tags=items[start:start + 100])
+
+
 def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec: SweepSpec, notes: list[str],
-                  out: Path, console: Console) -> None:
-    """The trial table (short column names, cells fold rather than truncate) and the best trials. A log file or pipe
-    gets 160 columns rather than rich's 80."""
+                  out: Path, console: Console, trials: list[FrozenTrial] | None = None, base_arch: str = "") -> None:
+    """The trial table (short column names, cells fold rather than truncate) and the best trials, with the better
+    valued infeasible trials each passed over (of ``trials``). A log file or pipe gets 160 columns rather than rich's
+    80."""
     if not console.is_terminal and console.width < 160:
         console.width = 160
     columns = [c for c in rows[0] if c not in ("mlflow_run_id", "retry_of")] if rows else []
@@ -143,10 +230,20 @@ def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec
         cells = [_cell(row[c]).lower() if c == "state" else _cell(row[c]) for c in columns]
         table.add_row(*cells, style=STATE_STYLE.get(row["state"]))
     console.print(table)
+    groups = by_arch(trials or [], base_arch)
+    explained: set[int] = set()
     for arch, trial in best.items():
         params = ", ".join(f"{k}={_cell(v)}" for k, v in trial.params.items() if k != "model.arch")
+        feasible = "" if is_feasible(trial) else \
+            f" — {infeasible_reason(trial, spec)}; no completed{f' {arch}' if arch else ''} trial is feasible"
         console.print(f"best{f' {arch}' if arch else ''}: trial {trial.number}, {spec.objective.metric} "
-                      f"{trial.value:.4f} ({params})", soft_wrap=True)
+                      f"{trial.value:.4f} ({params}){feasible}", soft_wrap=True)
+        for other in passed_over(groups.get(arch, []) if arch else trials or [], trial, spec.objective.direction):
+            if other.number not in explained:
+                explained.add(other.number)
+                console.print(f"  trial {other.number} ({arch_of(other, base_arch)}) has a better "
+                              f"{spec.objective.metric}, {other.value:.4f}, but is {infeasible_reason(other, spec)}",
+                              soft_wrap=True)
     for note in notes:
         console.print(f"[dim]{note}[/]", soft_wrap=True)
     console.print(f"report: {out}", soft_wrap=True)

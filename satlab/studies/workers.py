@@ -31,7 +31,7 @@ from satlab.config.specs import nest
 from satlab.studies import attrs as A
 from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
 from satlab.studies.runs import PARENT_TAG, STUDY_TAG, TRIAL_TAG, close_trial_run, end_run, read_run_id, usable_run
-from satlab.studies.spec import StudySpec, SweepSpec
+from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import StudyState
 from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
 
@@ -195,8 +195,8 @@ class TrialRunner:
             out_dir = Path(spec.out_dir) / "runs"
         else:
             out_dir = (Path(base.train.out_dir) / "ablations" / spec.name).resolve()
-        flat.update({**params, "name": safe_run_name(f"{spec.name}-{point.slug}"),
-                     "description": f"ablation {spec.name}: {point.key}" if point.tags else
+        flat.update({**params, "name": safe_run_name(f"{spec.name}-{point.slug}"), "tracking.run_name": point.label,
+                     "description": f"ablation {spec.name}: {point.key}" if isinstance(spec, AblationSpec) else
                      f"sweep {spec.name}, trial {trial.number}: {format_params(params)}",
                      "train.out_dir": str(out_dir), "train.resume": point.resume,
                      "tracking.uri": self.tracking_uri, "tracking.experiment": spec.experiment_name})

@@ -3,6 +3,8 @@ windows."""
 
 from __future__ import annotations
 
+import json
+
 import lightning as L
 from torch.utils.data import DataLoader
 
@@ -56,9 +58,13 @@ class LMDataModule(L.LightningDataModule):
                  "data.vocab_size_actual": self.data.vocab_size}
         for split, count in meta.get("tokens", {}).items():
             facts[f"data.tokens_{split}"] = count
-        for key in ("source", "python_version"):
-            if key in meta:
-                facts[f"data.{key}"] = str(meta[key])
+        source = meta.get("source")
+        if isinstance(source, dict):  # the source's identity (hashes, rules) is in the cache; the run shows its name
+            facts["data.source"] = source.get("description") or source.get("name") or json.dumps(source)
+        elif source is not None:
+            facts["data.source"] = str(source)
+        if "python_version" in meta:
+            facts["data.python_version"] = str(meta["python_version"])
         for source, share in meta.get("mix", {}).get("share", {}).items():
             facts[f"data.mix_share_{source}"] = round(float(share), 5)
         return facts

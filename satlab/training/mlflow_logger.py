@@ -4,7 +4,8 @@ A run killed after logging step 17 and resumed from its checkpoint at step 15 lo
 ``MLFlowLogger`` would record them twice. Reopened on an existing run, this logger counts the (metric, step) points
 that run already holds from the resume step on and skips that many of the same again: a resumed run reproduces the
 same points in the same order (deterministic data order, RNG states in the checkpoint), so each is recorded exactly
-as often as in a run never killed (Lightning's ``epoch`` is logged twice at some steps). No point is missed
+as often as in a run never killed. Lightning's ``epoch``, added to every call, is not recorded: a run
+budgeted in tokens has one epoch. No point is missed
 either, because checkpoints are written only after everything of their step is logged
 (:class:`~satlab.training.resilience.CheckpointAfterValidation`).
 
@@ -43,6 +44,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
         recorded = self._already_recorded()
         fresh = {}
         for key, value in metrics.items():
+            if key == "epoch":  # Lightning adds it to every log call; a token-budgeted run has one epoch
+                continue
             if recorded[(key, step or 0)] > 0:
                 recorded[(key, step or 0)] -= 1
             else:

@@ -117,7 +117,8 @@ class LMModule(L.LightningModule):
         else:
             self._grad_norm = norm
             self.log("train/grad_norm", total)
-        self.log("train/skipped_steps", float(self.skipped_steps))
+        if self.skipped_steps:  # a series only for a run that skipped steps: a flat zero is clutter
+            self.log("train/skipped_steps", float(self.skipped_steps))
         self.log("train/lr", optimizer.param_groups[0]["lr"])
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

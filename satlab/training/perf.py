@@ -88,8 +88,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputCallback(L.Callback):
-    """Logs system/tokens_per_sec, system/tokens_per_sec_per_device, system/mfu, system/peak_mem_gb and
-    system/data_wait_frac.
+    """Logs system/tokens_per_sec, system/mfu, system/peak_mem_gb, system/data_wait_frac and, with more than one
+    device, system/tokens_per_sec_per_device; the peak FLOP/s the MFU divides by is the run's tag
+    ``peak_tflops_used_for_mfu``.
 
     Rates are averaged over the optimizer steps since the last log, with the first ``warmup_steps`` steps (compile,
     allocator warm-up) left out; time spent in validation is not counted.
@@ -116,6 +117,10 @@ class ThroughputCallback(L.Callback):
         self.peak, self.peak_label = device_peak_flops(pl_module.device, trainer.precision)
         self.world_size = trainer.world_size
         self._seen_step = trainer.global_step
+        logger = trainer.logger
+        if self.peak and trainer.is_global_zero and getattr(logger, "run_id", None):  # a tag: a resumed run may
+            logger.experiment.set_tag(logger.run_id, "peak_tflops_used_for_mfu",    # be on another device
+                                      f"{self.peak / 1e12:.4g} ({self.peak_label})")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
@@ -149,13 +154,13 @@ class ThroughputCallback(L.Callback):
         self.total_train_tokens += tokens
         metrics = {
             "system/tokens_per_sec": rate,
-            "system/tokens_per_sec_per_device": rate / self.world_size,
             "system/peak_mem_gb": peak_memory_gb(pl_module.device),
             "system/data_wait_frac": self.window_wait / self.window_time,
         }
-        if self.peak:
+        if self.world_size > 1:  # on one device it would repeat tokens_per_sec
+            metrics["system/tokens_per_sec_per_device"] = rate / self.world_size
+        if self.peak:  # the peak it divides by is a constant: a tag (on_train_start), not a series
             metrics["system/mfu"] = rate / self.world_size * self.flops_per_token / self.peak
-            metrics["system/peak_tflops_used_for_mfu"] = self.peak / 1e12
         pl_module.log_dict(metrics, prog_bar=False)
         pl_module.log("tok/s", rate, prog_bar=True, logger=False)
         self._reset()

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.derived import Schedule, derive_schedule
-from satlab.config.display import config_from_yaml, flatten, to_yaml
+from satlab.config.display import config_from_yaml, to_yaml
 from satlab.config.errors import ConfigError, RunStopped
 from satlab.config.loader import experiment_family
 from satlab.config.resume import RESUMABLE, resume_problems
@@ -49,7 +49,9 @@ from satlab.training.tracking import (
     open_store,
     provenance_tags,
     resolve_tracking,
+    run_params,
 )
+from satlab.training.views import COLOUR_TAG, arch_colour, publish_family_view
 
 RUN_INFO = "run.json"
 
@@ -76,6 +78,7 @@ class RunResult:
     recall: dict[str, float] = field(default_factory=dict)  # a recall task's recall/* metrics at the end
     fit_seconds: float = 0.0  # the Trainer's fit: training, validation and any evaluation inside it
     eval_seconds: float | None = None  # the end-of-run evaluation inside fit, if a callback ran one
+    view_url: str | None = None  # the MLflow UI's comparison of this run's experiment
 
 
 def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
@@ -157,13 +160,13 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
     experiment_id(mlflow.MlflowClient(open_store(uri)), name, artifacts)  # made here: two runs of a family race
     return ResumableMLFlowLogger(
         experiment_name=name,
-        run_name=cfg.name,
+        run_name=cfg.tracking.run_name or cfg.name,
         tracking_uri=open_store(uri),
         artifact_location=artifacts,
         run_id=info.get("mlflow_run_id"),
         resume_step=resume_step,
         tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | description
-        | dict(cfg.tracking.tags),
+        | {COLOUR_TAG: arch_colour(cfg.model.arch)} | dict(cfg.tracking.tags),  # a study colours by its groups
     )
 
 
@@ -205,11 +208,12 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                     "experiment": logger._experiment_name}
             (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))
             if ckpt_path is None:
-                logger.log_hyperparams(flatten(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
+                logger.log_hyperparams(run_params(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
                                        | {"model.params": count_params(module.model),
                                           "model.non_embedding_params": non_embedding_params(module.model),
                                           "model.flops_per_token": flops} | data.provenance())
                 logger.experiment.log_text(logger.run_id, to_yaml(cfg), "config.yaml")
+            info["view_url"] = publish_family_view(logger.experiment, logger.experiment_id, logger._tracking_uri)
 
         throughput = ThroughputCallback(flops, schedule.tokens_per_step)
         sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
@@ -248,6 +252,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             final_train_loss=None if train_loss is None else float(train_loss),
             tokens_per_sec=throughput.mean_tokens_per_sec,
             wall_seconds=time.perf_counter() - started,
+            view_url=info.get("view_url"),
             recall={k: float(v) for k, v in final.items() if k.startswith("recall/")},
             fit_seconds=fit_seconds,
             eval_seconds=next((cb.end_eval_seconds for cb in callbacks if getattr(cb, "end_eval_seconds", None)),

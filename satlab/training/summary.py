@@ -7,6 +7,7 @@ from rich.table import Table
 
 from satlab.config.schema import ExperimentConfig
 from satlab.console import console as make_console
+from satlab.training.views import open_lines
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -58,7 +59,7 @@ def print_summary(cfg: ExperimentConfig, result, console: Console | None = None)
         rows += [
             ("MLflow", f"experiment '{result.experiment}', run {result.mlflow_run_id}"),
             ("tracking URI", result.tracking_uri),
-            ("open the UI", "make ui  (http://127.0.0.1:5000)"),
+            *(open_lines(result.tracking_uri, result.view_url) if result.view_url else []),
         ]
     for row in rows:
         table.add_row(*row)

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import satlab
+from satlab.config.display import Param, flatten
 from satlab.config.errors import ConfigError
+from satlab.config.schema import ExperimentConfig
 from satlab.training.machine import cpu_model
 
 if TYPE_CHECKING:
@@ -101,6 +103,16 @@ def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str
         return client.get_experiment_by_name(name).experiment_id
     mark_model_training(client, created)
     return created
+
+
+def run_params(cfg: ExperimentConfig) -> dict[str, Param]:
+    """The config as MLflow params, less the options of the architectures this run does not use (a run page
+    would otherwise list every registered architecture's settings)."""
+    from satlab.models import ARCHITECTURES
+
+    unused = tuple(f"model.{a.name}." for a in ARCHITECTURES.values()
+                   if a.options is not None and a.name != cfg.model.arch)
+    return {k: v for k, v in flatten(cfg).items() if not k.startswith(unused)}
 
 
 def git_revision() -> tuple[str, bool]:

@@ -1,0 +1,162 @@
+"""The MLflow views a run or a study hands over: names, colours, the shared comparison view, where its UI is, and
+the screenshot tool that proves a page rendered (with Chromium, where installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from satlab.studies.loader import load_ablation, load_sweep
+from satlab.studies.plans import GridPlan, SearchPlan
+from satlab.studies.runs import CELL_TAG, GROUP_TAG
+from satlab.studies.spec import readable_value, short_label
+from satlab.training.tracking import default_tracking_uri
+from satlab.training.views import (
+    COLOUR_TAG,
+    PALETTE,
+    arch_colour,
+    comparison_state,
+    comparison_url,
+    open_lines,
+    param_column,
+    serve_command,
+    tag_column,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("value", "shown"), [(3.1e-3, "3.1e-3"), (0.0031415, "3.1e-3"), (0.25, "0.25"),
+                                             (1.0, "1"), (2e5, "2e5"), (0.0, "0"), (3, "3"), ("satformer", "satformer"),
+                                             (True, "true")])
+def test_values_read_as_a_person_writes_them(value, shown):
+    assert readable_value(value) == shown
+
+
+def test_labels_use_the_last_part_of_a_key_unless_two_keys_share_it():
+    assert short_label([("model.arch", "satformer"), ("train.seed", 1)]) == "arch=satformer seed=1"
+    assert short_label([("model.satformer.gate_fn", "relu"), ("model.resformer.gate_fn", "x")]) == \
+        "model.satformer.gate_fn=relu model.resformer.gate_fn=x"
+
+
+def test_ablation_cells_are_named_by_their_values_and_coloured_by_group():
+    spec = load_ablation("arch_tiny", ["axes.data.source=[shakespeare]", "axes.train.seed=[0,1]"])
+    plan = GridPlan(spec)
+    points = [plan.point(SimpleNamespace(number=i), dict(cell.values)) for i, cell in enumerate(plan.cells.values())]
+    labels = {p.label for p in points}
+    assert "source=shakespeare arch=satformer seed=1" in labels and len(labels) == len(points)
+    colours: dict[str, set[str]] = {}
+    for point in points:
+        colours.setdefault(point.tags[GROUP_TAG], set()).add(point.tags[COLOUR_TAG])
+        assert point.tags[CELL_TAG] == point.key
+    assert all(len(c) == 1 for c in colours.values())  # the seeds of a group share their colour
+    assert len({c.pop() for c in colours.values()}) == len(colours) == 10  # and the groups differ
+    satformer = next(p for p in points if "arch=satformer" in p.label)
+    assert satformer.tags[COLOUR_TAG] == arch_colour("satformer")  # one group per architecture: its colour
+
+
+def test_groups_that_are_not_architectures_get_colours_of_their_own():
+    plan = GridPlan(load_ablation("granularity"))
+    points = [plan.point(SimpleNamespace(number=i), dict(cell.values)) for i, cell in enumerate(plan.cells.values())]
+    by_group = {p.tags[GROUP_TAG]: p.tags[COLOUR_TAG] for p in points}
+    assert len(set(by_group.values())) == len(by_group) > 1
+
+
+def test_sweep_trials_are_named_by_architecture_and_values():
+    spec = load_sweep("lr_tiny")
+    plan = SearchPlan(spec, "transformer", 3)
+    point = plan.point(SimpleNamespace(number=7), {"model.arch": "satformer", "optim.lr": 0.0031})
+    assert point.label == "satformer lr=3.1e-3 (trial 7)" and point.tags[COLOUR_TAG] == arch_colour("satformer")
+    fixed = plan.point(SimpleNamespace(number=2), {"optim.lr": 0.02})
+    assert fixed.label == "transformer lr=0.02 (trial 2)"
+
+
+def test_architectures_keep_one_colour_each_and_the_papers_pair_is_blue_against_vermillion():
+    from satlab.models import ARCHITECTURES
+
+    colours = [arch_colour(name) for name in ARCHITECTURES]
+    assert len(set(colours)) == len(colours) <= len(PALETTE)
+    assert (arch_colour("transformer"), arch_colour("satformer")) == ("#0072B2", "#D55E00")
+
+
+def test_the_comparison_state_leads_with_the_loss_curves_and_shows_every_run():
+    state = comparison_state("tags.`x` = 'y'", bars=["zero_shot/offline_zero_shot_avg"],
+                             columns=[tag_column("satlab.ablation.group"), param_column("optim.lr")])
+    sections = [s["uuid"] for s in state["compareRunSections"]]
+    assert sections == ["satlab-curves", "satlab-results"] and state["isAccordionReordered"]
+    charts = [(c["metricSectionId"], c["type"], c["metricKey"]) for c in state["compareRunCharts"]]
+    assert charts == [("satlab-curves", "LINE", "val/loss"), ("satlab-curves", "LINE", "train/loss"),
+                      ("satlab-results", "BAR", "zero_shot/offline_zero_shot_avg")]
+    assert state["selectedColumns"] == ["tags.`arch`", "tags.`satlab.ablation.group`", "params.`optim.lr`",
+                                        "metrics.`val/loss`", "metrics.`system/tokens_per_sec`"]
+    assert state["runsHiddenMode"] == "CUSTOM" and state["searchFilter"] == "tags.`x` = 'y'"
+    json.dumps(state)  # what the experiment tag holds
+
+
+def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it(tmp_path):
+    assert comparison_url("http://mlflow.lab:5000/", "3", "k") == \
+        "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k"
+    assert comparison_url(default_tracking_uri(), "3", "k").startswith("http://127.0.0.1:5000/#/experiments/3/")
+    assert serve_command(default_tracking_uri()) == "make ui"
+    other = f"sqlite:///{tmp_path}/mlflow.db"
+    assert serve_command(other) == f"make ui STORE={other}"
+    assert serve_command("http://mlflow.lab:5000") is None
+    assert [label for label, _ in open_lines("http://mlflow.lab:5000", "u")] == ["compare in MLflow"]
+
+
+def test_make_ui_serves_the_store_it_is_given_and_refuses_a_server_url(tmp_path):
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    dry = subprocess.run(["make", "-n", "ui", f"STORE={store}", "PY=true", "STAMP="], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert f"--backend-store-uri {store}" in dry.stdout and f"{tmp_path}/artifacts" in dry.stdout, dry.stdout
+    refused = subprocess.run(["make", "ui", "STORE=http://mlflow.lab:5000", "STAMP="], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "tracking server is its own UI" in refused.stderr
+
+
+needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium: apt-get install chromium")
+
+
+@needs_chromium
+def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_renders(tmp_path):
+    """A page that fills itself in after a second passes its check; a skeleton that never does is saved as
+    ``*.failed.png`` and makes the tool exit 1. The check also looks inside a sandboxed iframe, as MLflow shows an
+    HTML artifact."""
+    (tmp_path / "late.html").write_text(
+        "<html><body><div id=chart></div><iframe sandbox srcdoc=\"<title>report</title><img id=i src='data:image/"
+        "gif;base64,R0lGODlhAQABAAAAACw='>\"></iframe><script>setTimeout(() => document.getElementById('chart')"
+        ".textContent = 'drawn', 1000)</script></body></html>")
+    (tmp_path / "skeleton.html").write_text("<html><body><div class=skeleton></div></body></html>")
+    tool = [sys.executable, str(ROOT / "scripts" / "cdp_screenshot.py"), "--wait", "6"]
+    drawn = "document.getElementById('chart')?.textContent === 'drawn'"
+    in_frame = "document.title === 'report' && document.images.length === 1"
+    ok = subprocess.run([*tool, str(tmp_path / "a.png"), (tmp_path / "late.html").as_uri(), drawn,
+                         str(tmp_path / "b.png"), (tmp_path / "late.html").as_uri(), in_frame],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "b.png").exists()
+    bad = subprocess.run([*tool, str(tmp_path / "c.png"), (tmp_path / "skeleton.html").as_uri(), drawn],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "FAILED" in bad.stderr and "not rendered" in bad.stderr
+    assert not (tmp_path / "c.png").exists() and (tmp_path / "c.failed.png").exists()
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_the_screenshot_script_shows_every_view_rendered(tmp_path):
+    """scripts/ui_screenshots.sh end to end (about 3 minutes here): two runs, an ablation and a sweep, five pages,
+    each saved only once its check held (the comparison's lines, the parent's metrics, the report's images, the
+    dashboard's best trial equal to satlab's)."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "ui_screenshots.sh"), str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PY": sys.executable}, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for name in ("runs_comparison", "ablation_comparison", "ablation_parent", "ablation_report", "dashboard"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob("*.failed.png"))
