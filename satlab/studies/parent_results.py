@@ -1,4 +1,5 @@
-"""An ablation's results on its MLflow parent run, made from the report's summary.json, so that the experiment's
+"""A study's results on its MLflow parent run (:func:`record_results`; a sweep's are named in
+:mod:`satlab.studies.sweep_report`). An ablation's, made from the report's summary.json, so that the experiment's
 charts and runs table show them and not only the report artifact:
 
 - metrics, once each at step 0: ``variants/<group>/<measure>_<stat>`` per group of cells (``mean``, ``std``, ``n``
@@ -65,19 +66,38 @@ def verdict_tags(summary: Mapping) -> dict[str, str]:
 def log_results(client: mlflow.MlflowClient, run_id: str, summary: Mapping) -> None:
     """Put the summary's results on the parent run, replacing those of an earlier report (module docstring). A param
     already there stays (MLflow refuses to change one): a group's key always names the same axis values."""
+    record_results(client, run_id, result_metrics(summary), verdict_tags(summary), params=result_params(summary),
+                   owned=(f"{GROUP_SECTION}/", f"{CLAIM_SECTION}/"), owned_tags=VERDICT_TAG)
+
+
+def record_results(client: mlflow.MlflowClient, run_id: str, metrics: Mapping[str, float], tags: Mapping[str, str],
+                   params: Mapping[str, str] | None = None, step: int = 0, owned: tuple[str, ...] = (),
+                   owned_tags: str | None = None) -> None:
+    """A study's results on its parent run (an ablation's here, a sweep's from :mod:`satlab.studies.sweep_report`),
+    such that writing the same results again adds nothing. MLflow appends every metric point logged, so a metric gets
+    a point at ``step`` unless its latest point already has this value at this step (an ablation logs at 0, a sweep
+    at the trials finished so far: its history is the study's progress). A logged metric under an ``owned`` prefix
+    that ``metrics`` no longer has is set to NaN; a tag starting with ``owned_tags`` that ``tags`` no longer has is
+    deleted; a param already there stays."""
     run = client.get_run(run_id)
     logged = run.data.metrics
-    metrics = result_metrics(summary)
-    gone = {k: math.nan for k in logged if k.startswith((f"{GROUP_SECTION}/", f"{CLAIM_SECTION}/"))
-            and k not in metrics}
+    gone = {k: math.nan for k in logged if owned and k.startswith(owned) and k not in metrics}
+
+    def recorded(key: str, value: float) -> bool:
+        if not same(logged.get(key), value):
+            return False
+        latest = max(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
+        return latest.step == step
+
     now = int(time.time() * 1000)
-    changed = [Metric(k, v, now, 0) for k, v in (metrics | gone).items() if not same(logged.get(k), v)]
-    params = [Param(k, v) for k, v in result_params(summary).items() if k not in run.data.params]
-    tags = verdict_tags(summary)
-    client.log_batch(run_id, metrics=changed, params=params,
-                     tags=[RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v])
+    new_metrics = [Metric(k, v, now, step) for k, v in (dict(metrics) | gone).items() if not recorded(k, v)]
+    new_params = [Param(k, v) for k, v in (params or {}).items() if k not in run.data.params]
+    new_tags = [RunTag(k, v[:5000]) for k, v in tags.items() if run.data.tags.get(k) != v]
+    for start in range(0, max(len(new_metrics), len(new_params), len(new_tags)), 100):  # MLflow's batch limits
+        client.log_batch(run_id, metrics=new_metrics[start:start + 100], params=new_params[start:start + 100],
+                         tags=new_tags[start:start + 100])
     for key in run.data.tags.keys() - tags.keys():
-        if key.startswith(VERDICT_TAG):
+        if owned_tags and key.startswith(owned_tags):
             client.delete_tag(run_id, key)
 
 

@@ -20,7 +20,6 @@ when a re-run finds a better trial), and ``sweep.best_trial``, ``sweep.best_arch
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,7 +31,6 @@ import optuna
 import pandas as pd
 import yaml
 from matplotlib.ticker import NullFormatter
-from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
@@ -45,12 +43,12 @@ from satlab.config.loader import load_experiment
 from satlab.config.specs import nest
 from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
 from satlab.studies.best import best_trial, is_feasible
+from satlab.studies.parent_results import GROUP_SECTION, record_results
 from satlab.studies.spec import SweepSpec, format_value
 
 STALE_REASON = "worker_lost"
 STATE_STYLE = {"COMPLETE": "green", "PRUNED": "yellow", "FAIL": "red"}
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-GROUP_SECTION = "variants"  # the parent run's per-architecture results, as an ablation's per-group ones
 BEST_TAG = "sweep.best_"  # sweep.best_trial, sweep.best_arch
 
 
@@ -164,7 +162,7 @@ def write_report(study: optuna.Study, spec: SweepSpec, base_arch: str, client: m
             client.log_artifacts(parent_run_id, str(out), "report")
             metrics, tags = parent_results(study, spec, base_arch)
             finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
-            log_results(client, parent_run_id, metrics, tags, step=finished)
+            record_results(client, parent_run_id, metrics, tags, step=finished)
         except MlflowException as e:
             print(f"satlab sweep: could not log the report on the parent run {parent_run_id}: {e}")
     print_summary(rows, best, spec, notes, out, console or Console(), study.get_trials(deepcopy=False), base_arch)
@@ -198,19 +196,6 @@ def parent_results(study: optuna.Study, spec: SweepSpec, base_arch: str) -> tupl
     if (overall := best_trial(trials, spec.objective.direction)) is not None:
         tags.update({f"{BEST_TAG}trial": str(overall.number), f"{BEST_TAG}arch": arch_of(overall, base_arch)})
     return metrics, tags
-
-
-def log_results(client: mlflow.MlflowClient, run_id: str, metrics: dict[str, float], tags: dict[str, str],
-                step: int) -> None:
-    """``metrics`` at ``step`` (the trials finished so far), skipping a point the run has already: MLflow appends
-    every point logged, and each re-run of the command (``--n-trials 0`` too) writes the report again. A later run
-    with more trials adds a point at a later step: the metric's history is the study's progress."""
-    timestamp = int(time.time() * 1000)
-    new = [Metric(key, value, timestamp, step) for key, value in metrics.items()
-           if not any(p.step == step and p.value == value for p in client.get_metric_history(run_id, key))]
-    items = [RunTag(key, value[:5000]) for key, value in tags.items()]
-    for start in range(0, max(len(new), len(items)), 100):  # MLflow takes at most 100 tags in one batch
-        client.log_batch(run_id, metrics=new[start:start + 100], tags=items[start:start + 100])
 
 
 def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec: SweepSpec, notes: list[str],
