@@ -3,8 +3,7 @@ under ``report/`` on the parent run. Per group of cells (equal on every axis but
 each measure (:mod:`satlab.studies.results`) and Welch p-values, against the baseline group or, for a recall
 ablation over ``model.arch``, against the Transformer and ResFormer at the same values of the other axes. With
 ``model.arch`` an axis, the paper's claims about architectures the ablation has are checked on these numbers and
-stated plainly: held, contradicted, not resolved (with what it would take) or not measurable at this scale
-(:mod:`satlab.studies.stats`). The numbers and verdicts also go onto the parent run as metrics, params and tags
+stated plainly (:mod:`satlab.studies.ablation_claims`). The numbers and verdicts also go onto the parent run as metrics, params and tags
 (:mod:`satlab.studies.parent_results`); ``report.html`` carries its figures inside it, as MLflow's artifact viewer
 cannot load the files beside it.
 """
@@ -21,10 +20,15 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from satlab.evaluation.tasks import RETRIEVAL, chance_level
-from satlab.models.architecture import ARCHITECTURES
+from satlab.studies.ablation_claims import (
+    RECALL_REFERENCES,
+    arch_names,
+    budget_comparison,
+    loss_orders,
+    paper_verdicts,
+    reference_group,
+)
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
-from satlab.studies.loader import load_ablation
 from satlab.studies.parent_results import log_results, mlflow_name
 from satlab.studies.report_html import markdown_page
 from satlab.studies.results import (
@@ -36,29 +40,16 @@ from satlab.studies.results import (
     download_heatmap,
     measures_for,
 )
-from satlab.studies.runs import find_parent_run
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import (
     Verdict,
-    best_verdict,
-    decide_all,
     format_p,
     mean_std,
-    ordering_verdict,
     welch_p,
 )
 
 BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
-RECALL_REFERENCES = ("transformer", "resformer")
-CLAIMED_LOSS_ORDER = ("satformer", "resformer", "transformer")  # the paper's validation-loss claim, best first
-
-
-def arch_names() -> dict[str, str]:
-    """Display names from the registry (read when a report is written: an architecture registered late counts)."""
-    return {name: arch.label for name, arch in ARCHITECTURES.items()}
-
-
 def order_text(archs: Sequence[str]) -> str:
     """``SATFormer < ResFormer < Transformer``: architectures best first, by their display names."""
     return " < ".join(arch_names()[a] for a in archs)
@@ -86,11 +77,6 @@ def comparisons(spec: AblationSpec, groups: Sequence[GroupResult], measures: Mea
         return BASELINE_P, [Comparison("", "baseline", lambda g: reference_group(groups, g, baseline_arch))]
     baseline = next((g for g in groups if g.values == spec.baseline_values()), None)
     return BASELINE_P, [Comparison("", "baseline", lambda g: baseline)]
-
-
-def reference_group(groups: Sequence[GroupResult], group: GroupResult, arch: str) -> GroupResult | None:
-    """The group with ``model.arch=arch`` and the same values as ``group`` on every other axis."""
-    return next((g for g in groups if g.values == group.values | {"model.arch": arch}), None)
 
 
 def group_labels(spec: AblationSpec, groups: Sequence[GroupResult]) -> dict[str, str]:
@@ -189,18 +175,6 @@ def group_numbers(spec: AblationSpec, groups: Sequence[GroupResult], keys: dict[
     return numbers
 
 
-def by_seed(group: GroupResult | None, column: str) -> dict:
-    """``{seed: value}`` of a group's cells that logged ``column`` (the seed pairs cells across groups)."""
-    if group is None:
-        return {}
-    return {c.cell.seed: c.metrics[column] for c in group.cells if c.metrics.get(column) is not None}
-
-
-def point_label(group: GroupResult) -> str:
-    """The group's values on the axes other than the architecture, e.g. ``source=kjv``."""
-    return ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items() if k != "model.arch")
-
-
 def matched_token_rows(groups: Sequence[GroupResult], labels: dict[str, str], measures: Measures) -> list[list[str]]:
     """The curve metric (mean ± std over seeds) of every group at each token count all of them were validated at,
     the untrained point left out; header first, [] when the groups share none."""
@@ -219,126 +193,6 @@ def matched_token_rows(groups: Sequence[GroupResult], labels: dict[str, str], me
             row.append("—" if mean is None else fmt.format(mean) + ("" if std is None else f" ± {fmt.format(std)}"))
         rows.append(row)
     return rows
-
-
-def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]]:
-    """Per point of the other axes (a corpus), the paper's three architectures in order of mean validation loss at
-    each token count they share (best first): whether an order at the end of a run already held earlier, and
-    whether it persists in a run with a longer budget. Only points where all three have a shared validation: an
-    ablation without one of them has no order to give."""
-    orders: dict[str, dict[str, list[str]]] = {}
-    for group in (g for g in groups if g.values.get("model.arch") in CLAIMED_LOSS_ORDER):
-        tokens, values = group.shared_curve()
-        for i, t in enumerate(tokens):
-            if t and values:
-                means = orders.setdefault(point_label(group), {}).setdefault(f"{t:.0f}", {})
-                means[group.values["model.arch"]] = sum(v[i] for v in values) / len(values)
-    complete = {point: {t: sorted(means, key=means.get) for t, means in by_tokens.items() if len(means) == 3}
-                for point, by_tokens in orders.items()}
-    return {point: by_tokens for point, by_tokens in complete.items() if by_tokens}  # no point without an order
-
-
-def budget_comparison(spec: AblationSpec, client: mlflow.MlflowClient,
-                      orders: dict[str, dict[str, list[str]]]) -> dict[str, dict] | None:
-    """Per point of the other axes both ablations have, the order at the end of ``spec.compare_with`` (a shorter
-    budget, say) beside this ablation's at the same token count and at its own end; None when that ablation has no
-    runs in this store."""
-    other = load_ablation(spec.compare_with)
-    parent = find_parent_run(client, other) or find_parent_run(client, other, same_settings=False)
-    if parent is None:
-        return None
-    theirs = loss_orders(collect(other, client, parent.info.run_id))
-    comparison = {}
-    for point in orders.keys() & theirs.keys():
-        there_end, here_end = (max(o, key=int) for o in (theirs[point], orders[point]))
-        comparison[point] = {"there_tokens": int(there_end), "there": theirs[point][there_end],
-                             "here_same_tokens": orders[point].get(there_end), "here_tokens": int(here_end),
-                             "here": orders[point][here_end],
-                             "persists": orders[point][here_end] == theirs[point][there_end]}
-    return comparison
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One of the paper's claims at one point of the other axes: ``key`` names it where its sentence cannot (the
-    parent run's tag ``verdict.<key>``), ``subjects`` are the architectures it is about, ``check`` gives its
-    undecided verdict."""
-
-    key: str
-    subjects: tuple[str, ...]
-    check: Callable[[], Verdict]
-
-
-def claim_key(name: str, point: str) -> str:
-    """``loss_order``, ``loss_order.source-kjv``, ``loss_order.pooled``: the claim, and where when not everywhere."""
-    return f"{name}.{mlflow_name(point)}" if point else name
-
-
-def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
-    """The paper's claims on the architecture groups (:func:`loss_claims`, :func:`recall_claims`) that are about
-    architectures this ablation has, checked; Holm's correction runs over all of them together."""
-    if "model.arch" not in spec.group_axes():
-        return []
-    claims = recall_claims(groups) if measures is RECALL_MEASURES else loss_claims(groups)
-    return checked(claims, {g.values["model.arch"] for g in groups})
-
-
-def checked(claims: Sequence[Claim], archs: set[str]) -> list[Verdict]:
-    """The claims whose subjects are all among ``archs`` (and that have another architecture to compare with),
-    decided and keyed. A claim about an architecture the ablation does not have is no finding of it: it is left out,
-    not reported as "could not be checked" (which says a cell of the ablation is missing or too few)."""
-    verdicts = []
-    for claim in claims:
-        if len(archs) > 1 and archs.issuperset(claim.subjects):
-            verdict = claim.check()
-            verdict.key = claim.key
-            verdicts.append(verdict)
-    return decide_all(verdicts)
-
-
-def recall_claims(groups: Sequence[GroupResult]) -> list[Claim]:
-    """"SATFormer retrieves better" than each reference architecture, at every point of the other axes (the
-    difficulties)."""
-    claims = []
-    for group in (g for g in groups if g.values.get("model.arch") == "satformer"):
-        point = point_label(group)
-        for arch in RECALL_REFERENCES:
-            def check(group: GroupResult = group, arch: str = arch, where: str = point or "this setting") -> Verdict:
-                samples = {"satformer": by_seed(group, "recall_acc"),
-                           arch: by_seed(reference_group(groups, group, arch), "recall_acc")}
-                return best_verdict(samples, "satformer", f"SATFormer retrieves better than {arch_names()[arch]} "
-                                    f"(held-out accuracy, {where})", labels=arch_names())
-
-            claims.append(Claim(claim_key(f"recall_vs_{arch}", point), ("satformer", arch), check))
-    return claims
-
-
-def loss_claims(groups: Sequence[GroupResult]) -> list[Claim]:
-    """SATFormer < ResFormer < Transformer in final validation loss, and SATFormer best on the retrieval average, at
-    every point of the other axes (a corpus axis, say) and, with more than one point, pooled over them."""
-    points: dict[str, dict[str, GroupResult]] = {}  # one per value of the other axes (a corpus axis, say)
-    for group in groups:
-        points.setdefault(point_label(group), {})[group.values["model.arch"]] = group
-    retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
-
-    def claims(samples: Callable[[str], dict[str, dict]], where: str, point: str) -> list[Claim]:
-        return [Claim(claim_key("loss_order", point), CLAIMED_LOSS_ORDER, lambda: ordering_verdict(
-                    samples("val_loss"), list(CLAIMED_LOSS_ORDER),
-                    f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names())),
-                Claim(claim_key("retrieval_best", point), ("satformer",), lambda: best_verdict(
-                    samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
-                    labels=arch_names(), chance=retrieval_chance))]
-
-    found = []
-    for point, by_arch in points.items():
-        found += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
-                        f" ({point})" if point else "", point)
-    if len(points) > 1:  # pooled: a cell is paired with the cell of the same point and seed
-        found += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
-                                               for seed, value in by_seed(by_arch.get(arch), column).items()}
-                                        for arch in {a for by_arch in points.values() for a in by_arch}},
-                        " (pooled over " + "; ".join(points) + ")", "pooled")
-    return found
 
 
 def write_figures(spec: AblationSpec, client: mlflow.MlflowClient, groups: Sequence[GroupResult],

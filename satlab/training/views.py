@@ -35,8 +35,7 @@ PALETTE = ("#0072B2", "#009E73", "#D55E00", "#CC79A7", "#E69F00", "#56B4E9", "#0
            "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF")
 
 LOSS_CURVES = ("val/loss", "train/loss")
-THROUGHPUT = "system/tokens_per_sec"
-TABLE_METRICS = ("val/loss", THROUGHPUT)
+TABLE_METRICS = ("val/loss", "system/tokens_per_sec")
 
 
 def colour(index: int) -> str:
@@ -50,12 +49,6 @@ def arch_colour(arch: str) -> str:
 
     names = list(ARCHITECTURES)
     return colour(names.index(arch)) if arch in names else colour(len(names) + sum(map(ord, arch)))
-
-
-def colour_runs(client: mlflow.MlflowClient, colours: dict[str, str]) -> None:
-    """Set each run's (run id -> colour) colour tag."""
-    for run_id, value in colours.items():
-        client.set_tag(run_id, COLOUR_TAG, value)
 
 
 def _line(key: str, section: str) -> dict:
