@@ -21,7 +21,9 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -120,10 +122,10 @@ def chromium() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
                                  f"--remote-debugging-port={port}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             for _ in range(240):
                 try:
@@ -132,8 +134,8 @@ def chromium() -> Iterator[int]:
                 except OSError:
                     time.sleep(0.25)
             yield port
-        finally:
-            proc.kill()
+        finally:  # the browser's own processes too, which would otherwise write into the profile being removed
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 

@@ -3,9 +3,9 @@ under ``report/`` on the parent run. Per group of cells (equal on every axis but
 each measure (:mod:`satlab.studies.results`) and Welch p-values, against the baseline group or, for a recall
 ablation over ``model.arch``, against the Transformer and ResFormer at the same values of the other axes. With
 ``model.arch`` an axis, the paper's claims about architectures the ablation has are checked on these numbers and
-stated plainly (:mod:`satlab.studies.ablation_claims`). The numbers and verdicts also go onto the parent run as metrics, params and tags
-(:mod:`satlab.studies.parent_results`); ``report.html`` carries its figures inside it, as MLflow's artifact viewer
-cannot load the files beside it.
+stated plainly (:mod:`satlab.studies.ablation_claims`). The numbers and verdicts also go onto the parent run as
+metrics, params and tags (:mod:`satlab.studies.parent_results`); ``report.html`` carries its figures inside it, as
+MLflow's artifact viewer cannot load the files beside it.
 """
 
 from __future__ import annotations
