@@ -4,7 +4,9 @@ code 2, and nothing written (no run folder, no MLflow store)."""
 from __future__ import annotations
 
 import http.server
+import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +73,58 @@ TRAIN_CASES = [
     ("run name with a slash", ["name=a/b"], ["'a/b'", "'.', '_' and '-'"]),
     ("run name that is a dot", ["name=."], ["'.'", "not '.' or '..'"]),
     ("run name with a space", ["name=my run"], ["'my run'", "1 to 200"]),
+    # empty, null and wrongly shaped values (<in> is a folder of the test's input files, see INPUTS)
+    ("empty run name", ["name="], ["name ''", "letters, digits"]),
+    ("null run name", ["name=null"], ["name ''", "letters, digits"]),
+    ("empty learning rate", ["optim.lr="], ["optim.lr has no value", "a number", "0.003"]),
+    ("empty architecture", ["model.arch="], ["unknown architecture (model.arch) ''", "satformer", "transformer"]),
+    ("empty device count", ["train.devices="], ["train.devices has no value", "an integer"]),
+    ("empty task list", ["eval.tasks="], ["eval.tasks has no value", "list[str]"]),
+    ("list where one number goes", ["optim.lr=[1e-3,1e-4]"], ["optim.lr takes a number", "got a list"]),
+    ("mapping where one text goes", ["name={a: 1}"], ["name takes a text", "got a mapping"]),
+    ("empty data source", ["data.source="], ["data.source is empty", "shakespeare"]),
+    ("empty cache folder", ["data.cache_dir="], ["data.cache_dir is empty"]),
+    ("empty run folder", ["train.out_dir="], ["train.out_dir is empty"]),
+    ("unknown accelerator", ["train.accelerator=gpux"], ["gpux", "cuda", "cpu"]),
+    ("override of ten megabytes", ["description=" + "x" * 10_000_000], ["10,000,012 characters", "at most 10,000"]),
+    # vocabulary bounds known before any data is read (the corpus' own bound: test_a_vocabulary_larger_than...)
+    ("BPE vocabulary within the byte alphabet", ["data.tokenizer.vocab_size=258"], ["vocab_size=258", ">= 259"]),
+    ("BPE vocabulary above the ceiling", ["data.tokenizer.vocab_size=10000001"],
+     ["data.tokenizer.vocab_size", "[1, 1e+07]", "10000001"]),
+    # experiment files and names
+    ("empty experiment", ["experiment="], ["experiment is empty", "preset name"]),
+    ("binary experiment file", ["experiment=<in>/binary.yaml"], ["binary.yaml is not UTF-8 text", "offset 0"]),
+    ("experiment holding a number", ["experiment=<in>/scalar.yaml"],
+     ["scalar.yaml holds a single value", "not a satlab experiment"]),
+    ("experiment holding a list", ["experiment=<in>/list.yaml"], ["list.yaml holds a list", "mapping of keys"]),
+    ("experiment of ten megabytes", ["experiment=<in>/huge.yaml", "--dry-run"], ["huge.yaml is 10,000,011 bytes",
+                                                                                "at most 1 MiB"]),
+    ("YAML syntax error", ["experiment=<in>/syntax.yaml"], ["syntax.yaml, line 4, column 10: invalid YAML",
+                                                            "expected ',' or ']'"]),
+    ("experiment that is a folder", ["experiment=<in>"], ["is a folder, not a YAML file"]),
+    ("experiment that is a symlink loop", ["experiment=<in>/loop.yaml"], ["loop.yaml", "symbolic links"]),
+    ("experiment that is a pipe", ["experiment=<in>/fifo.yaml"], ["fifo.yaml is not a regular file"]),
+    ("experiment nested too deeply", ["experiment=<in>/deep.yaml"], ["deep.yaml: invalid YAML", "nests deeper"]),
+    ("a YAML file that is no experiment", ["experiment=<in>/foreign.yaml"],
+     ["foreign.yaml is not a satlab experiment", "none of its 2 top-level key(s)"]),
+    ("a system file as experiment", ["experiment=../../../../../../../../../../etc/passwd"],
+     ["etc/passwd holds a single value", "not a satlab experiment"]),
+    ("preset name that climbs out", ["experiment=tiny/../../../etc/passwd"],
+     ["'tiny/../../../etc/passwd' leaves", "experiments", "as a path"]),
+    ("base preset that climbs out", ["experiment=<in>/climb.yaml"], ["climb.yaml: base preset name", "leaves"]),
 ]
+NEVER_ECHOED = ["root:x:0:0", "SECRET_TOKEN", "hunter2", "x" * 41]
+"""Content of the input files (and of the long override) that a message must never quote."""
+INPUTS = {
+    "binary.yaml": b"\xca\xfe\xba\xbe" + bytes(range(256)) * 4,
+    "scalar.yaml": b"5\n",
+    "list.yaml": b"- a\n- b\n",
+    "huge.yaml": b"name: huge\n" + b"# padding\n" * 1_000_000,
+    "syntax.yaml": b"name: x\nmodel:\n  arch: [satformer\n  d_model: 64\n",
+    "foreign.yaml": b"services:\n  SECRET_TOKEN: hunter2\nversion: 3\n",
+    "climb.yaml": b"base: tiny/../../../../etc/passwd\n",
+    "deep.yaml": b"a: " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+}
 
 
 def run_cli(argv: list[str], tmp_path, capsys) -> tuple[int, str]:
@@ -84,25 +137,50 @@ def isolated(tmp_path, *args: str) -> list[str]:
             f"tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"]
 
 
-def assert_nothing_written(tmp_path) -> None:
+def files_under(folder) -> set:
+    return {p for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def assert_nothing_written(tmp_path, inputs: set | None = None) -> None:
+    """No run folder (so no checkpoint), no MLflow store, no file in the data cache (corpus, tokenizer, tokens) or
+    in the studies' folder (Optuna storage, logs); with ``inputs`` (the files the test made), no file at all besides
+    them under ``tmp_path``. Empty folders may be left."""
     assert not (tmp_path / "runs").exists()
     assert not (tmp_path / "mlruns").exists()
-    cache = tmp_path / "cache"
-    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
+    for folder in (tmp_path / "cache", tmp_path / "studies"):
+        assert not folder.exists() or not files_under(folder), sorted(folder.rglob("*"))
+    if inputs is not None:
+        assert files_under(tmp_path) == inputs, sorted(files_under(tmp_path) - inputs)
+
+
+def with_inputs(args: list[str], tmp_path) -> tuple[list[str], set]:
+    """``args`` with ``<in>`` replaced by a folder holding the :data:`INPUTS` they name (and ``loop.yaml``, a
+    symbolic link to itself; ``fifo.yaml``, a named pipe), and the set of those files."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, content in INPUTS.items():
+        if any(f"<in>/{name}" in a for a in args):
+            (folder / name).write_bytes(content)
+    (folder / "loop.yaml").symlink_to(folder / "loop.yaml")
+    if any("<in>/fifo.yaml" in a for a in args):
+        os.mkfifo(folder / "fifo.yaml")  # reading it would wait for a writer for ever
+    return [a.replace("<in>", str(folder)) for a in args], files_under(tmp_path)
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
-def test_bad_training_input_is_one_clear_usage_error(case, tmp_path, capsys):
+def test_bad_training_input_is_one_clear_usage_error(case, tmp_path, capsys, monkeypatch):
     _, args, fragments = case
-    argv = isolated(tmp_path, *args)
-    if any(a.startswith("tracking.uri=") for a in args):
-        argv = [a for a in argv if not a.startswith("tracking.uri=sqlite")]
+    monkeypatch.chdir(tmp_path)  # what an empty folder setting would write to is watched too
+    args, inputs = with_inputs(args, tmp_path)
+    given = {a.partition("=")[0] for a in args}  # a case's own setting replaces the isolating one
+    argv = [a for a in isolated(tmp_path, *args) if a in args or a.partition("=")[0] not in given]
     code, err = run_cli(argv, tmp_path, capsys)
     assert code == 2, err
     assert err.startswith("satlab train: error:")
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in: {err}"
-    assert_nothing_written(tmp_path)
+    assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
+    assert_nothing_written(tmp_path, inputs)
 
 
 def test_a_hub_dataset_while_offline_names_the_offline_alternatives(tmp_path, capsys, monkeypatch):
@@ -199,7 +277,7 @@ def test_a_tracking_server_that_is_down_can_fall_back_to_the_local_store(tmp_pat
     uri = f"http://127.0.0.1:{server.server_port}"
     monkeypatch.setattr(tracking, "default_tracking_uri", lambda: f"sqlite:///{tmp_path / 'local' / 'mlflow.db'}")
     try:
-        with pytest.raises(tracking.ConfigError, match="unreachable"):
+        with pytest.raises(tracking.ConfigError, match="cannot be used"):
             tracking.ensure_reachable(uri, fallback_local=False)
         assert tracking.ensure_reachable(uri, fallback_local=True).endswith("local/mlflow.db")
         assert "logging to the local store" in capsys.readouterr().err
@@ -213,23 +291,210 @@ def test_bench_rejects_an_unknown_architecture(capsys):
     assert code == 2 and "densformer" in err and "did you mean 'denseformer'" in err
 
 
+@pytest.mark.parametrize("argv", [["bench", "--batch", "0"], ["bench", "--seq-len", "-8"], ["archs", "--seq-len", "0"]])
+def test_counts_of_the_bench_and_archs_must_be_positive(argv, capsys):
+    assert main(argv) == 2
+    assert f"{argv[1]} must be >= 1, got {argv[2]}" in capsys.readouterr().err
+
+
+def test_a_vocabulary_beyond_the_token_files_dtype_is_refused():
+    from satlab.config.errors import ConfigError
+    from satlab.data.packing import token_dtype
+
+    assert token_dtype(2**16 - 1).name == "uint16" and token_dtype(2**32).name == "uint32"
+    with pytest.raises(ConfigError, match="stored as uint32"):
+        token_dtype(2**32 + 1)
+
+
+# storage cases shared by sweeps and ablations (<tmp> is the test's folder)
+STORAGE_CASES = [
+    ("storage in a folder that does not exist", ["--storage", "sqlite:////nonexistent/dir/x.db"],
+     ["/nonexistent/dir, does not exist", "create it first (mkdir -p /nonexistent/dir)"]),
+    ("storage under a file", ["--storage", "sqlite:///<in>/scalar.yaml/x.db"], ["scalar.yaml, is a file, not a"]),
+    ("storage that is a folder", ["--storage", "sqlite:///<tmp>"], ["names the folder", "optuna.db"]),
+    ("in-memory storage", ["--storage", "sqlite://"], ["in-memory database", "cannot share"]),
+    ("zero workers", ["--workers", "0"], ["--workers must be >= 1, got 0"]),
+    ("negative workers", ["--workers", "-2"], ["--workers must be >= 1, got -2"]),
+]
 SWEEP_CASES = [
     ("sweep spec with an empty space", ["space=null"], ["search space is empty"]),
     ("sweep storage that is not a database URL", ["--storage", "studies/lr.journal"], ["studies/lr.journal", "sqlite:///"]),
     ("sweep storage whose server cannot be reached", ["--storage", "postgresql://satlab@127.0.0.1:9/optuna"],
      ["postgresql://satlab@127.0.0.1:9/optuna"]),
+    ("no trials", ["n_trials=0"], ["n_trials must be in [1, 1e+06], got 0"]),
+    ("negative trials", ["n_trials=-3"], ["n_trials must be in [1, 1e+06], got -3"]),
+    ("empty trial count", ["n_trials="], ["n_trials has no value", "an integer"]),
+    ("negative trials flag", ["--n-trials", "-1"], ["--n-trials must be >= 0, got -1"]),
+    ("report rewrite of a study that does not exist", ["--n-trials", "0"], ["--n-trials 0", "has none yet"]),
+    ("zero threads per trial", ["trial.threads=0"], ["trial.threads must be in [1, 4096], got 0"]),
+    ("negative sampler warm-up", ["sampler.n_startup_trials=-1"], ["sampler.n_startup_trials", "got -1"]),
+    ("empty spec name", ["name="], ["'name' must be letters, digits", "got ''"]),
+    ("empty sampler", ["sampler.name="], ["unknown sampler ''", "tpe"]),
+    ("spec item of ten megabytes", ["description=" + "x" * 10_000_000], ["10,000,012 characters"]),
+    ("spec base outside the experiments", ["base=tiny/../../../etc/passwd"], ["leaves", "as a path"]),
+    ("storage in the spec, in a folder that does not exist", ["storage=sqlite:////nonexistent/dir/x.db"],
+     ["mkdir -p /nonexistent/dir"]),
+    *STORAGE_CASES,
 ]
+
+
+def study_argv(command: str, spec: str, args: list[str], tmp_path) -> tuple[list[str], set]:
+    """``satlab <command> <spec>`` isolated in ``tmp_path`` (studies, run folders, MLflow, data cache), then
+    ``args``."""
+    (spec, *args), inputs = with_inputs([spec, *(a.replace("<tmp>", str(tmp_path)) for a in args)], tmp_path)
+    prefix = "overrides." if command == "sweep" else ""
+    isolating = [f"out_dir={tmp_path / 'studies'}", f"{prefix}tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'x.db'}",
+                 f"{prefix}data.cache_dir={tmp_path / 'cache'}", f"{prefix}train.out_dir={tmp_path / 'runs'}"]
+    return [command, spec, *isolating, *args], inputs
 
 
 @pytest.mark.parametrize("case", SWEEP_CASES, ids=[c[0] for c in SWEEP_CASES])
 def test_bad_sweep_input_is_one_clear_usage_error(case, tmp_path, capsys):
     _, args, fragments = case
-    tracking = f"overrides.tracking.uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
-    code, err = run_cli(["sweep", "lr_tiny", f"out_dir={tmp_path / 'studies'}", tracking, *args], tmp_path, capsys)
+    argv, inputs = study_argv("sweep", "lr_tiny", args, tmp_path)
+    code, err = run_cli(argv, tmp_path, capsys)
     assert code == 2, err
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in: {err}"
-    assert not (tmp_path / "mlruns").exists()
+    assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
+    assert_nothing_written(tmp_path, inputs)
+    assert not Path("/nonexistent").exists()
+
+
+ABLATE_CASES = [
+    ("empty seed axis", ["axes.train.seed=[]"], ["axis 'train.seed' is empty"]),
+    ("seed axis that is no list", ["axes.train.seed=3"], ["axis 'train.seed' must be a list", "got 3"]),
+    ("empty seed key", ["seed_key="], ["'seed_key' is empty", "train.seed"]),
+    ("zero timeout", ["timeout_minutes=0"], ["'timeout_minutes' must be a positive number"]),
+    ("compare_with a file that is no ablation", ["compare_with=<in>/foreign.yaml"],
+     ["compare_with: ", "foreign.yaml is not a satlab ablation spec"]),
+    ("compare_with a binary file", ["compare_with=<in>/binary.yaml"], ["compare_with: ", "not UTF-8 text"]),
+    ("cell override of an empty value", ["optim.lr="], ["optim.lr has no value"]),
+    *STORAGE_CASES,
+]
+
+
+@pytest.mark.parametrize("case", ABLATE_CASES, ids=[c[0] for c in ABLATE_CASES])
+def test_bad_ablation_input_is_one_clear_usage_error(case, tmp_path, capsys):
+    _, args, fragments = case
+    argv, inputs = study_argv("ablate", "arch_tiny", args, tmp_path)
+    code, err = run_cli(argv, tmp_path, capsys)
+    assert code == 2, err
+    assert err.startswith("satlab ablate: error:")
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in: {err}"
+    assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
+    assert_nothing_written(tmp_path, inputs)
+    assert not Path("/nonexistent").exists()
+
+
+SPEC_FILE_CASES = [
+    ("binary spec file", "<in>/binary.yaml", ["binary.yaml is not UTF-8 text", "offset 0"]),
+    ("spec holding a number", "<in>/scalar.yaml", ["scalar.yaml holds a single value", "not a satlab"]),
+    ("spec holding a list", "<in>/list.yaml", ["list.yaml holds a list"]),
+    ("spec of ten megabytes", "<in>/huge.yaml", ["huge.yaml is 10,000,011 bytes", "at most 1 MiB"]),
+    ("spec with a YAML syntax error", "<in>/syntax.yaml", ["syntax.yaml, line 4, column 10: invalid YAML"]),
+    ("spec that is a folder", "<in>", ["is a folder, not a YAML file"]),
+    ("spec that is a symlink loop", "<in>/loop.yaml", ["loop.yaml", "symbolic links"]),
+    ("spec nested too deeply", "<in>/deep.yaml", ["deep.yaml: invalid YAML", "nests deeper"]),
+    ("a YAML file that is no spec", "<in>/foreign.yaml", ["foreign.yaml is not a satlab", "spec: none of its 2"]),
+    ("a system file as spec", "../../../../../../../../../../etc/passwd", ["etc/passwd holds a single value"]),
+    ("spec name that climbs out", "x/../../../etc/passwd", ["'x/../../../etc/passwd' leaves", "as a path"]),
+]
+
+
+@pytest.mark.parametrize("command", ["sweep", "ablate"])
+@pytest.mark.parametrize("case", SPEC_FILE_CASES, ids=[c[0] for c in SPEC_FILE_CASES])
+def test_a_bad_spec_file_is_one_clear_usage_error(case, command, tmp_path, capsys, monkeypatch):
+    _, spec, fragments = case
+    monkeypatch.chdir(tmp_path)
+    argv, inputs = study_argv(command, spec, [], tmp_path)
+    code, err = run_cli(argv, tmp_path, capsys)
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in: {err}"
+    assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
+    assert_nothing_written(tmp_path, inputs)
+
+
+def test_a_vocabulary_larger_than_the_corpus_allows_is_refused_before_anything_is_written(tmp_path, capsys):
+    """The BPE trainer stops when every word is one token; the run is refused then, before the corpus' split files,
+    the tokenizer or any token file is cached, and before a run folder or an MLflow run exists."""
+    code, err = run_cli(isolated(tmp_path, "data.tokenizer.vocab_size=10_000_000"), tmp_path, capsys)
+    assert code == 2, err
+    assert ("data.tokenizer.vocab_size=10000000 is more than this corpus allows: BPE on the train split of embedded "
+            "corpus 'shakespeare' stops at 45,902 tokens") in err
+    assert "use at most data.tokenizer.vocab_size=45902" in err
+    assert_nothing_written(tmp_path, set())
+
+
+def test_the_vocabulary_bound_of_a_corpus_is_exact(tmp_path):
+    """At the bound the tokenizer is trained and kept; one more is refused and keeps nothing."""
+    import json
+
+    from satlab.config.errors import ConfigError
+    from satlab.config.loader import load_experiment
+    from satlab.data.prepare import prepare_data
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: the cat sat on mat number {i * 7}"}) + "\n"
+                              for i in range(200)))
+
+    def prepare(vocab_size: int):
+        cfg = load_experiment("default", [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                                          f"data.tokenizer.vocab_size={vocab_size}"])
+        return prepare_data(cfg.data, progress=False)
+
+    with pytest.raises(ConfigError, match="use at most data.tokenizer.vocab_size=") as refused:
+        prepare(10**7)
+    bound = int(str(refused.value).rsplit("=", 1)[1].split(",")[0])
+    assert 259 < bound < 2000 and f"stops at {bound:,} tokens" in str(refused.value)
+    with pytest.raises(ConfigError, match=f"use at most data.tokenizer.vocab_size={bound},"):
+        prepare(bound + 1)
+    assert not files_under(tmp_path / "cache")
+    assert prepare(bound).vocab_size == bound
+
+
+def test_a_storage_folder_that_cannot_be_written_is_refused(tmp_path, capsys, monkeypatch):
+    from satlab.studies import storage
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root writes anywhere: let the check see what another user would
+        monkeypatch.setattr(storage.os, "access", lambda path, mode: Path(path) != folder)
+    try:
+        argv, inputs = study_argv("sweep", "lr_tiny", ["--storage", f"sqlite:///{folder / 'x.db'}"], tmp_path)
+        code, err = run_cli(argv, tmp_path, capsys)
+    finally:
+        folder.chmod(0o755)
+    assert code == 2 and f"{folder} is not writable" in err, err
+    assert_nothing_written(tmp_path, inputs)
+
+
+def test_satlab_makes_the_folder_of_its_own_default_storage_only(tmp_path):
+    from satlab.config.errors import ConfigError
+    from satlab.studies.loader import load_sweep
+    from satlab.studies.storage import open_storage
+
+    url = load_sweep("lr_tiny", [f"out_dir={tmp_path / 'a' / 'b'}"]).storage_url()
+    with pytest.raises(ConfigError, match="create it first"):
+        open_storage(url)
+    assert not (tmp_path / "a").exists()
+    open_storage(url, create_folder=True)
+    assert (tmp_path / "a" / "b" / "optuna.db").is_file()
+
+
+def test_a_yaml_file_of_up_to_one_mebibyte_is_read(tmp_path):
+    from satlab.config.errors import ConfigError
+    from satlab.config.specs import MAX_YAML_BYTES, read_mapping
+
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\n" + "#" * (MAX_YAML_BYTES - 11) + "\n")
+    assert path.stat().st_size == MAX_YAML_BYTES and read_mapping(path) == {"name": "big"}
+    path.write_text("name: big\n" + "#" * (MAX_YAML_BYTES - 10) + "\n")
+    with pytest.raises(ConfigError, match="1,048,577 bytes"):
+        read_mapping(path)
 
 
 def _empty_file(folder):

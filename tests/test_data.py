@@ -153,9 +153,9 @@ def test_preparation_is_deterministic(tmp_path: Path, shakespeare: PreparedData)
     for split, path in shakespeare.paths.items():
         assert path.read_bytes() == again.paths[split].read_bytes()
     folder = write_corpus(tmp_path)
-    a, b = (prepare_data(data_cfg(tmp_path / c, str(folder), "bpe", 400, text_field="body", val_fraction=0.2),
+    a, b = (prepare_data(data_cfg(tmp_path / c, str(folder), "bpe", 300, text_field="body", val_fraction=0.2),
                          progress=False) for c in ("b", "c"))
-    assert a.tokenizer.fingerprint == b.tokenizer.fingerprint and 258 < a.vocab_size <= 400  # merges run out
+    assert a.tokenizer.fingerprint == b.tokenizer.fingerprint and a.vocab_size == 300  # this corpus allows 350
     assert all(a.paths[s].read_bytes() == b.paths[s].read_bytes() for s in a.paths)
     text = "rough winds do shake the darling buds of may\n"
     assert a.tokenizer.decode(a.tokenizer.encode(text)) == text and len(a.tokenizer.encode(text)) < len(text)
@@ -163,7 +163,7 @@ def test_preparation_is_deterministic(tmp_path: Path, shakespeare: PreparedData)
 
 def test_bpe_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = write_corpus(tmp_path)
-    cfg = data_cfg(tmp_path / "cache", str(folder), "bpe", 400, text_field="body", val_fraction=0.2)
+    cfg = data_cfg(tmp_path / "cache", str(folder), "bpe", 300, text_field="body", val_fraction=0.2)
     first = prepare_data(cfg, progress=False)
 
     monkeypatch.setattr(tokenizer_module, "train_bpe", lambda *a, **k: pytest.fail("BPE was trained again"))

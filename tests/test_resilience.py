@@ -16,6 +16,7 @@ import mlflow
 import pytest
 import torch
 
+from satlab.config.errors import EXIT_REQUEUE
 from satlab.config.loader import load_experiment
 from satlab.training.run import TrainingStopped, train
 
@@ -158,6 +159,7 @@ def test_sigterm_writes_a_checkpoint_then_the_run_resumes_in_the_same_mlflow_run
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert "SIGTERM received; checkpoint written" in err
+    assert proc.returncode == EXIT_REQUEUE, err[-3000:]  # "checkpointed, requeue me" for a job script
     _, status = losses_by_step(tmp_path, "preempted")
     assert status == "KILLED"
     finish(start(tmp_path, "preempted"))

@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from satlab.config.errors import ConfigError
+from satlab.config.errors import EXIT_REQUEUE, ConfigError
 from satlab.console import console as make_console
 from satlab.studies.loader import load_ablation
 from satlab.studies.spec import AblationSpec
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
                   + (", interrupted (the same command resumes)" if result.interrupted else ""), soft_wrap=True)
     for key, reason in result.failed.items():
         console.print(f"  [red]failed[/] {key}: {reason}", soft_wrap=True)
-    return 130 if result.interrupted else 1 if result.failed else 0
+    return EXIT_REQUEUE if result.interrupted else 1 if result.failed else 0
 
 
 def print_grid(spec: AblationSpec) -> None:

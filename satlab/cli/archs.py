@@ -65,5 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.size not in SIZE_PRESETS:
         raise ConfigError(unknown_name("size (--size)", args.size, SIZE_PRESETS))
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len} (the context length in tokens)")
     make_console().print(archs_table(args.size, args.seq_len, args.all_gate_functions))
     return 0

@@ -21,8 +21,9 @@ def run(args: argparse.Namespace) -> int:
     if args.size not in SIZE_PRESETS:
         problems.append(unknown_name("size", args.size, SIZE_PRESETS))
     for name, value, least in (("--rounds", args.rounds, 1), ("--max-rounds", args.max_rounds, 1),
-                               ("--warmup", args.warmup, 0), ("--ci-target", args.ci_target, 0)):
-        if value < least:
+                               ("--warmup", args.warmup, 0), ("--ci-target", args.ci_target, 0),
+                               ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1)):
+        if value is not None and value < least:  # --batch and --seq-len: None is the default
             problems.append(f"{name} must be >= {least}, got {value}")
     depths = parse_counts(args.depths, problems)
     if problem := device_problem(args.device, "--device"):

@@ -53,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from satlab.config.errors import ConfigError, RunStopped
+    from satlab.config.errors import EXIT_USAGE, ConfigError, RunStopped
 
     try:
         return importlib.import_module(f"satlab.cli.{args._module}").run(args)
     except ConfigError as error:
         print(f"satlab {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except RunStopped as error:
         print(f"satlab {args.command}: stopped: {error}", file=sys.stderr)
-        return 1
+        return error.exit_code
 
 
 if __name__ == "__main__":

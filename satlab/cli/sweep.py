@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from satlab.config.errors import ConfigError
+from satlab.config.errors import EXIT_REQUEUE, ConfigError
 from satlab.studies.loader import load_sweep
 from satlab.studies.spec import SweepSpec
 
@@ -18,14 +18,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n-trials must be >= 0, got {args.n_trials}")
     spec = load_sweep(args.spec, args.overrides)
     if args.dashboard:
-        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port, spec)
+        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port, spec,
+                               create_folder=not (args.storage or spec.storage))
     from satlab.studies.engine import run_study
 
     result = run_study(spec, workers=args.workers, n_trials=args.n_trials, storage=args.storage)
-    return 130 if result.interrupted else 0
+    return EXIT_REQUEUE if result.interrupted else 0
 
 
-def serve_dashboard(storage: str, host: str, port: int, spec: SweepSpec | None = None) -> int:
+def serve_dashboard(storage: str, host: str, port: int, spec: SweepSpec | None = None,
+                    create_folder: bool = False) -> int:
     """optuna-dashboard on the storage (Ctrl-C stops it), its best trial the best feasible one as in satlab's report
     (:mod:`satlab.studies.dashboard`); the note of ``spec``'s study, when it exists, is brought up to date."""
     try:
@@ -37,7 +39,7 @@ def serve_dashboard(storage: str, host: str, port: int, spec: SweepSpec | None =
     from satlab.studies.dashboard import dashboard_storage, write_note
     from satlab.studies.storage import open_storage, safe_url
 
-    open_storage(storage)  # a clear error for a bad URL or an unreachable server, before the server starts
+    open_storage(storage, create_folder=create_folder)  # a bad URL or unreachable server fails before the server
     served = dashboard_storage(storage)  # plain reads: the dashboard needs no write-locking transactions
     if spec is not None and spec.name in {s.study_name for s in served.get_all_studies()}:
         write_note(optuna.load_study(study_name=spec.name, storage=served), spec)

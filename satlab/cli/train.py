@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.table import Table
 
 from satlab.cli.train_args import split_experiment
 from satlab.config.derived import derive_schedule
 from satlab.config.display import print_config
+from satlab.config.errors import EXIT_REQUEUE
 from satlab.config.loader import load_experiment
 from satlab.console import console as make_console
 from satlab.training.machine import resolve_precision
@@ -23,11 +25,18 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(cfg)
         return 0
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from satlab.evaluation.callback import EvaluationCallback
     from satlab.training.run import train
 
     evaluation = EvaluationCallback(cfg, progress=not args.no_progress)
-    train(cfg, preset=experiment, progress=not args.no_progress, callbacks=[evaluation])
+    try:
+        train(cfg, preset=experiment, progress=not args.no_progress, callbacks=[evaluation])
+    except SIGTERMException:  # pre-emption or a time limit: CheckpointOnSigterm saved the state
+        print(f"satlab train: stopped by SIGTERM with its state checkpointed; the same command continues it "
+              f"(exit code {EXIT_REQUEUE}: requeue me)", file=sys.stderr)
+        return EXIT_REQUEUE
     if evaluation.last_results:
         print_evaluation(evaluation.last_results)
     return 0

@@ -35,6 +35,18 @@ def unknown_name(kind: str, name: str, valid: Iterable[str]) -> str:
     return f"unknown {kind} '{name}'{did_you_mean(name, valid)}; valid: {', '.join(valid)}"
 
 
+EXIT_USAGE = 2
+"""Bad input (a :class:`ConfigError`): nothing was written."""
+EXIT_NO_SPACE = 74
+"""A checkpoint did not fit on its disk (``EX_IOERR``): the previous checkpoints are intact; free space, then run
+the same command (under SLURM the job script puts the job back in the queue, held, for that)."""
+EXIT_REQUEUE = 75
+"""Stopped with its state saved (``EX_TEMPFAIL``): SIGTERM (pre-emption, a time limit) during training, or an
+interrupted study. Running the same command again continues it; SLURM job scripts requeue on it."""
+
+
 class RunStopped(RuntimeError):
     """A run (training, trial, cell) stopped itself for a reason the user should read; the CLI prints the message
-    and exits with code 1."""
+    and exits with ``exit_code`` (1 unless a subclass says otherwise)."""
+
+    exit_code = 1

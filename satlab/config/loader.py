@@ -22,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.schema import (
+    ACCELERATORS,
+    BPE_MIN_VOCAB,
     MIX_SOURCES,
     PRECISIONS,
     RESUME_MODES,
@@ -32,8 +34,8 @@ from satlab.config.schema import (
     TOKENIZER_KINDS,
     ExperimentConfig,
 )
-from satlab.config.specs import read_mapping, short_path
-from satlab.config.structured import Layer, Range, build, range_problems
+from satlab.config.specs import existing, item_problem, named_file, read_mapping, short_path, user_path
+from satlab.config.structured import Layer, Range, build, range_problems, short_repr
 from satlab.models.config import SIZE_PRESETS, resolve_model_config
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
@@ -53,7 +55,9 @@ _RANGES: dict[str, Range] = {
     "optim.gate_lr_multiplier": (0, 1e4, True),
     "data.seq_len": (1, 2**22, False), "data.val_fraction": (0, 0.999, False), "data.num_workers": (0, 256, False),
     "data.num_proc": (1, 4096, False), "data.prepare_timeout_s": (0, 10**7, True),
-    "data.hub_max_documents": (1, 10**12, False), "data.tokenizer.vocab_size": (1, 10**7, False),
+    "data.hub_max_documents": (1, 10**12, False),
+    "data.tokenizer.vocab_size": (1, 10**7, False),  # a bpe one: >= BPE_MIN_VOCAB, and what its corpus allows (the
+    # data layer says when it stops short); 10**7 is far inside the uint32 the token ids are stored in
     "data.mqar.vocab_size": (1, 10**7, False), "data.mqar.num_pairs": (1, 10**6, False),
     "data.mqar.num_queries": (1, 10**6, False), "data.mqar.eval_sequences": (1, 10**7, False),
     "train.max_tokens": (1, _TOKENS, False), "train.global_batch_tokens": (1, 10**10, False),
@@ -67,11 +71,17 @@ _RANGES: dict[str, Range] = {
 }
 _CHOICES = {
     "data.tokenizer.kind": TOKENIZER_KINDS,
+    "train.accelerator": ACCELERATORS,
     "data.source_kind": SOURCE_KINDS,
     "train.precision": PRECISIONS,
     "train.strategy": STRATEGIES,
     "train.resume": RESUME_MODES,
 }
+_TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file, folder or glob, or a hub dataset",
+         "data.cache_dir": "a folder for the data caches", "train.out_dir": "the folder of the run folders",
+         "data.text_field": "the field of a row that holds its text", "data.hub_split": "a split name, e.g. train"}
+"""Text settings an empty value would not mean anything for (the empty path would be the working directory)."""
+EXPERIMENT_KEYS = (*(f.name for f in dataclasses.fields(ExperimentConfig)), "base")
 
 
 def default_experiments_dir() -> Path:
@@ -119,7 +129,7 @@ def load_experiment(
     """
     root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
     problems: list[str] = []
-    layers = _preset_chain(_experiment_path(experiment, root), root, problems)
+    layers = _preset_chain(experiment_path(experiment, root), root, problems)
     return _build(layers + _override_layers(overrides, problems), problems)
 
 
@@ -128,13 +138,16 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> Experim
     return _build([(source, data)], [])
 
 
-def _experiment_path(experiment: str | Path, root: Path) -> Path:
-    as_path = Path(experiment)
-    if isinstance(experiment, Path) or as_path.suffix in (".yaml", ".yml") or as_path.is_file():
-        if not as_path.is_file():
-            raise ConfigError(f"experiment file not found: {experiment}")
-        return as_path
-    path = root / f"{experiment}{PRESET_SUFFIX}"
+def experiment_path(experiment: str | Path, root: Path | None = None) -> Path:
+    """The file of a preset name (``tiny/transformer``: looked up inside ``root``, the experiments folder, only) or
+    of a path (``./x.yaml``, ``/abs/x.yaml``, ``../x``: see :func:`~satlab.config.specs.user_path`)."""
+    root = default_experiments_dir() if root is None else root
+    if not str(experiment).strip():
+        raise ConfigError("the experiment is empty: give a preset name (default, tiny/satformer, ...) or the path of "
+                          "a YAML file (./my.yaml)")
+    if (as_path := user_path(experiment)) is not None:
+        return existing(as_path, "experiment", str(experiment))
+    path = named_file(root, str(experiment), PRESET_SUFFIX, "experiment preset")
     if not path.is_file():
         available = list_experiments(root)
         if not available:
@@ -172,7 +185,11 @@ def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path 
         return None
     name = base if base.endswith((".yaml", ".yml")) else f"{base}{PRESET_SUFFIX}"
     relative = base.startswith(("./", "../")) or Path(base).is_absolute()
-    path = (child.parent / name) if relative else (root / name)
+    try:
+        path = (child.parent / name) if relative else named_file(root, name, "", "base preset")
+    except ConfigError as e:
+        problems.append(f"{short_path(child)}: {e}")
+        return None
     if not path.is_file():
         problems.append(f"{short_path(child)}: base {unknown_name('preset', base, list_experiments(root))}"
                         f" (looked for {path})")
@@ -182,7 +199,7 @@ def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path 
 
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
     try:
-        return read_mapping(path, short_path(path))
+        return read_mapping(path, short_path(path), "experiment", EXPERIMENT_KEYS)
     except ConfigError as e:
         problems.extend(e.problems)
         return None
@@ -193,6 +210,9 @@ def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Laye
     layers: list[Layer] = []
     for item in overrides:
         key, sep, _ = item.partition("=")
+        if (too_long := item_problem(item)) is not None:
+            problems.append(too_long)
+            continue
         if not sep or not key.strip() or "" in key.split("."):
             problems.append(f"malformed override '{item}': expected key=value, e.g. optim.lr=1e-3")
             continue
@@ -224,9 +244,14 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
     """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
     problems = []
     if not RUN_NAME.match(cfg.name) or cfg.name in (".", ".."):
-        problems.append(f"name {cfg.name!r} is not a run name: it names the folder {cfg.train.out_dir}/<name>, so it "
-                        "must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or '..')")
+        problems.append(f"name {short_repr(cfg.name)} is not a run name: it names the folder {cfg.train.out_dir}/"
+                        "<name>, so it must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or "
+                        "'..')")
     problems.extend(range_problems(cfg, _RANGES))
+    problems.extend(f"{key} is empty; it needs {what}" for key, what in _TEXT.items() if not attrgetter(key)(cfg))
+    if cfg.data.tokenizer.kind == "bpe" and cfg.data.tokenizer.vocab_size < BPE_MIN_VOCAB:
+        problems.append(f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} is too small for a byte-level BPE: "
+                        f"it needs >= {BPE_MIN_VOCAB} (256 bytes, end-of-text and a merge), e.g. 8192")
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
     for key, valid in _CHOICES.items():

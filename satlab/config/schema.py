@@ -17,6 +17,11 @@ arithmetic, ``32-true`` anywhere else. A run resolves ``auto`` once, before it r
 ``satlab.training.machine.resolve_precision``), so ``config.yaml``, the MLflow params and the checkpoint name the
 precision it trained in."""
 STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+"""``train.accelerator``: Lightning's accelerators (``gpu`` is its alias of ``cuda``)."""
+BPE_MIN_VOCAB = 259
+"""The smallest ``data.tokenizer.vocab_size`` of a ``bpe`` tokenizer: 256 bytes, end-of-text and one merge
+(``satlab.data.tokenizer.BYTE_VOCAB`` + 1; the data layer checks it again for callers that skip the config)."""
 RESUME_MODES = ("auto", "never")
 MIX_SOURCES = ("recall", "copy")
 """Synthetic document sources ``data.mix`` can mix into the train split (see ``satlab.data.synthetic``)."""

@@ -5,8 +5,11 @@ mappings and back.
 
 from __future__ import annotations
 
+import io
+import os
+import stat
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +28,124 @@ def short_path(path: Path) -> str:
         return str(path)
 
 
-def read_mapping(path: Path, label: str | None = None) -> dict[str, Any]:
-    """A YAML file's top-level mapping as a plain dict (interpolations left as written). A file that cannot be read
-    or holds something else is a :class:`ConfigError` that names it as ``label`` (default: the path)."""
+MAX_YAML_BYTES = 1 << 20
+"""The largest experiment or spec file read (1 MiB): the largest shipped one is a few kB, and YAML of 10 MB takes
+minutes to parse."""
+MAX_ITEM_CHARS = 10_000
+"""The longest ``key=value`` command-line item: longer text belongs in a file."""
+YAML_SUFFIXES = (".yaml", ".yml")
+PATH_PREFIXES = ("/", "./", "../", "~")
+"""What makes a name a path: ``/abs/x``, ``./x``, ``../x``, ``~/x``, or a YAML suffix (``configs/x.yaml``)."""
+
+
+def read_mapping(path: Path, label: str | None = None, what: str = "config file",
+                 known: Collection[str] | None = None) -> dict[str, Any]:
+    """A YAML file's top-level mapping as a plain dict (interpolations left as written).
+
+    The file must be a regular file of at most :data:`MAX_YAML_BYTES` of UTF-8 YAML holding a mapping; with
+    ``known``, at least one top-level key must be one of them, else it is no satlab ``what`` at all (and its keys,
+    which could be any file's lines, are not echoed). Anything else is a :class:`ConfigError` naming the file as
+    ``label`` (default: the path) and never quoting its content.
+    """
     label = str(path) if label is None else label
+    text = _read_text(path, label)
+    try:  # the node kinds first: OmegaConf would parse a top-level string again as YAML
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and not isinstance(node, yaml.MappingNode):
+            shape = "a list" if isinstance(node, yaml.SequenceNode) else "a single value"
+            raise ConfigError(f"{label} holds {shape} at the top level, not a mapping of keys: it is not a satlab "
+                              f"{what}")
+        loaded = OmegaConf.load(io.StringIO(text))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{label}{_yaml_error(e, text)}") from None
+    except RecursionError:  # ``[[[[...`` a hundred thousand deep
+        raise ConfigError(f"{label}: invalid YAML: it nests deeper than it can be read; experiment and spec files "
+                          "are mappings a few levels deep") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{label}: cannot read YAML: {type(e).__name__}") from None
+    data = typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
+    if known is not None and data and not any(k in known for k in data):
+        raise ConfigError(f"{label} is not a satlab {what}: none of its {len(data)} top-level key(s) is one of "
+                          f"{', '.join(known)}")
+    return data
+
+
+def _read_text(path: Path, label: str) -> str:
+    """The UTF-8 text of a regular file of at most :data:`MAX_YAML_BYTES`; checked before it is opened, so a FIFO or
+    a device (``/dev/stdin``) is refused rather than read for ever."""
     try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"{label}: cannot read YAML: {' '.join(str(e).split())}") from None
-    if not OmegaConf.is_dict(loaded):
-        raise ConfigError(f"{label}: expected a mapping of keys at the top level")
-    return typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"{label} is a folder, not a YAML file")
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{label} is not a regular file (a device, pipe or socket), not a YAML file")
+        if info.st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"{label} is {info.st_size:,} bytes; experiment and spec files are at most 1 MiB "
+                              f"({MAX_YAML_BYTES:,} bytes) of YAML")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:  # missing, a symlink loop, no permission
+        raise ConfigError(f"{label}: cannot read it: {e.strerror or e}") from None
+    if len(raw) > MAX_YAML_BYTES:  # it grew since the stat
+        raise ConfigError(f"{label} is over {MAX_YAML_BYTES:,} bytes; experiment and spec files are at most 1 MiB "
+                          "of YAML")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{label} is not UTF-8 text (the byte at offset {e.start}, 0x{raw[e.start]:02x}, cannot be "
+                          "decoded); experiment and spec files are YAML text") from None
+
+
+def _yaml_error(error: yaml.YAMLError, text: str) -> str:
+    """Where (line, column) and what the parser found wrong, without the file's lines that PyYAML's message quotes."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    if isinstance(error, yaml.MarkedYAMLError) and mark is not None:
+        what = ": ".join(p for p in (error.context, error.problem) if p)
+        return f", line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {what}"
+    if isinstance(error, yaml.reader.ReaderError):  # a control character: ``character`` is its code
+        line, line_start = text.count("\n", 0, error.position) + 1, text.rfind("\n", 0, error.position) + 1
+        return (f", line {line}, column {error.position - line_start + 1}: invalid YAML: character "
+                f"#x{error.character:04x} is not allowed in YAML text")
+    return f": invalid YAML ({type(error).__name__})"
+
+
+def item_problem(item: str) -> str | None:
+    """Why one ``key=value`` command-line item is refused before it is parsed (too long), else None."""
+    if len(item) <= MAX_ITEM_CHARS:
+        return None
+    return (f"the item '{item[:40]}...' is {len(item):,} characters; a command-line item is at most "
+            f"{MAX_ITEM_CHARS:,} (put long text in a YAML file)")
+
+
+def user_path(name_or_path: str | Path) -> Path | None:
+    """The path of a file a user names as one (see :data:`PATH_PREFIXES`; any :class:`Path`), else None: a name,
+    which is looked up inside a folder of the project with :func:`named_file`."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.startswith(PATH_PREFIXES) or Path(text).suffix in YAML_SUFFIXES:
+        return Path(text).expanduser()
+    return None
+
+
+def existing(path: Path, kind: str, given: str) -> Path:
+    """``path`` when it exists (what else may be wrong with it, :func:`read_mapping` says), else a ConfigError: not
+    found, a symbolic link loop, no permission."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{kind} file not found: {given}") from None
+    except OSError as e:
+        raise ConfigError(f"{kind} file {given}: cannot read it: {e.strerror or e}") from None
+    return path
+
+
+def named_file(root: Path, name: str, suffix: str, kind: str) -> Path:
+    """``<root>/<name><suffix>``, refused when the name climbs out of ``root`` (``../../etc/passwd``): names are
+    looked up inside the project's folder only; a file elsewhere is given as a path."""
+    relative = os.path.normpath(name)
+    if relative == ".." or relative.startswith(("../", "/")):
+        raise ConfigError(f"{kind} name '{name}' leaves {root}: names are looked up inside that folder only; give a "
+                          "file elsewhere as a path to it (./x.yaml, /abs/path/x.yaml)")
+    return root / f"{name}{suffix}"
 
 
 def spec_names(root: Path, suffix: str) -> list[str]:
@@ -44,23 +154,23 @@ def spec_names(root: Path, suffix: str) -> list[str]:
 
 
 def find_spec(name_or_path: str | Path, kind: str, root: Path, suffix: str) -> Path:
-    """The file of a spec: ``name_or_path`` itself when it names a YAML file, else ``<root>/<name><suffix>``. A
-    missing file, or an unknown name (with "did you mean" and the specs under ``root``), is a ConfigError."""
-    as_path = Path(name_or_path)
-    if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
-        if not as_path.is_file():
-            raise ConfigError(f"{kind} spec not found: {name_or_path}")
-        return as_path
-    path = root / f"{name_or_path}{suffix}"
+    """The file of a spec: ``name_or_path`` itself when it is a path (:func:`user_path`), else
+    ``<root>/<name><suffix>``. A missing file, or an unknown name (with "did you mean" and the specs under ``root``),
+    is a ConfigError."""
+    if (as_path := user_path(name_or_path)) is not None:
+        return existing(as_path, f"{kind} spec", str(name_or_path))
+    path = named_file(root, str(name_or_path), suffix, kind)
     if not path.is_file():
         raise ConfigError(unknown_name(kind, str(name_or_path), spec_names(root, suffix)) + f" (specs in {root})")
     return path
 
 
-def read_spec(name_or_path: str | Path, kind: str, root: Path, suffix: str) -> tuple[Path, dict[str, Any]]:
-    """(file, plain dict) of a spec name or YAML file (see :func:`find_spec`); ``name`` defaults to the file's."""
+def read_spec(name_or_path: str | Path, kind: str, root: Path, suffix: str,
+              known: Collection[str] | None = None) -> tuple[Path, dict[str, Any]]:
+    """(file, plain dict) of a spec name or YAML file (see :func:`find_spec`); ``name`` defaults to the file's.
+    ``known``: the spec's keys (see :func:`read_mapping`)."""
     path = find_spec(name_or_path, kind, root, suffix)
-    data = read_mapping(path)
+    data = read_mapping(path, what=f"{kind} spec", known=known)
     data.setdefault("name", path.stem)
     return path, data
 

@@ -79,10 +79,42 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
             else:
                 problems.append(f"{source}: '{full_key}' must be a mapping of keys to values, got {value!r}")
             continue
+        if (problem := shape_problem(expected, value, fields[key])) is not None:
+            problems.append(f"{source}: {full_key} {problem}")
+            continue
+        if value is None and expected is str:
+            value = ""  # an empty text: the checks of the field say what it must hold (a run name, an architecture)
         try:
             OmegaConf.update(root, full_key, exact_int(value) if accepts_int(expected) else value, merge=False)
         except OmegaConfBaseException as e:
             problems.append(f"{source}: {full_key}: {first_line(e)} (expected {type_name(expected)})")
+
+
+def shape_problem(hint: Any, value: Any, field: dataclasses.Field) -> str | None:
+    """Why ``value`` cannot be a value of a field of type ``hint`` whatever its content, else None: no value (an
+    empty ``key=`` or null) for a required field that is not text, or a list or mapping for a single value."""
+    optional = typing.get_origin(hint) in (typing.Union, UnionType) and type(None) in typing.get_args(hint)
+    plain = typing.get_args(hint)[0] if optional else hint
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    shown = "" if default is dataclasses.MISSING else f" (the default is {default!r})"
+    if value is None and not optional and plain is not str:
+        return (f"has no value, but it needs {_a(plain)}{shown}: give one, or leave the key out to keep the "
+                "default")
+    if isinstance(value, list | tuple | Mapping) and plain in (str, int, float, bool):
+        shape = "a mapping" if isinstance(value, Mapping) else "a list"
+        return f"takes {_a(plain)}, got {shape}: {short_repr(value)}"
+    return None
+
+
+def _a(hint: Any) -> str:
+    plain = {int: "an integer", float: "a number", bool: "true or false", str: "a text"}
+    return plain.get(hint, f"a value of type {type_name(hint)}")
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages that show what was given."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def field_problems(obj: Any, prefix: str = "") -> list[str]:

@@ -229,8 +229,12 @@ def corpus_identity(name: str, val_fraction: float) -> dict[str, Any]:
     return {"kind": "corpus", "name": name, **_signature(name, val_fraction)}
 
 
-def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float) -> tuple[Path, dict[str, Any]]:
+def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float,
+                  before_keep: Callable[[Path, dict[str, Any]], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """The folder of the prepared split files of corpus ``name`` and its metadata, building them if needed.
+
+    ``before_keep(folder, meta)`` runs on a corpus this call builds while it is still in its temporary folder: when
+    it raises, nothing is kept (``prepare_data`` trains and checks its BPE tokenizer there first).
 
     The folder is rebuilt when the split rule (``val_fraction``), the build version or, for ``pystdlib``, the
     Python version differ from those it was built with; rebuilding is fast (a few seconds at most).
@@ -276,4 +280,6 @@ def ensure_corpus(name: str, cache_dir: str | Path, val_fraction: float) -> tupl
         if name == "pystdlib":
             meta["python_version"] = platform.python_version()
         write_json(tmp / META_FILE, meta)
+        if before_keep is not None:
+            before_keep(tmp, meta)
     return target, meta

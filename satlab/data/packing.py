@@ -61,6 +61,10 @@ class Segment(Protocol):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 below 65,536 ids, else uint32; a vocabulary beyond uint32 (a hub tokenizer's) cannot be stored."""
+    if vocab_size > 2**32:
+        raise ConfigError(f"the tokenizer has {vocab_size:,} tokens; token ids are stored as uint32, so at most "
+                          f"{2**32:,}: pick another data.tokenizer.name")
     return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
 
 

@@ -36,8 +36,8 @@ import numpy as np
 from satlab.config.errors import ConfigError
 from satlab.config.schema import DataConfig
 from satlab.data.common import META_FILE, SPLITS, read_json, require_nonempty_splits, stable_hash, write_json
-from satlab.data.packing import PROGRESS_FILE, default_num_proc, open_tokens, pack_documents, split_path
-from satlab.data.sources import Source, document_segments, resolve_source, train_texts
+from satlab.data.packing import PROGRESS_FILE, default_num_proc, open_tokens, pack_documents, split_path, token_dtype
+from satlab.data.sources import Segment, Source, document_segments, resolve_source, train_texts
 from satlab.data.synthetic import check_mix, mix_key, mix_train_split
 from satlab.data.tokenizer import TextTokenizer, build_tokenizer, cached_tokenizer
 
@@ -146,8 +146,11 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     tokenizer = None
     if data_cfg.tokenizer.kind != "bpe":  # needs no corpus: made (or fetched) first, so a failure writes nothing
         tokenizer = build_tokenizer(data_cfg.tokenizer, cache_dir, "", lambda: iter(()), 0, progress)
-    segments, total_rows, source_meta = document_segments(source, data_cfg)
-    if tokenizer is None:
+
+    def train_tokenizer(segments: list[Segment], total_rows: int | None) -> None:
+        """Train (or find) the BPE tokenizer before anything of the source is cached: an empty split or a vocabulary
+        larger than the corpus allows is refused with nothing written."""
+        nonlocal tokenizer
 
         def checked_train_texts() -> Iterator[list[str]]:
             """The train texts; at their end a source with an empty split is refused before the tokenizer is kept."""
@@ -157,7 +160,11 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
                                     source.description)
 
         tokenizer = build_tokenizer(data_cfg.tokenizer, cache_dir, _train_identity(source), checked_train_texts,
-                                    total_rows, progress)
+                                    total_rows, progress, f"the train split of {source.description}")
+
+    segments, total_rows, source_meta = document_segments(source, data_cfg, None if tokenizer else train_tokenizer)
+    assert tokenizer is not None  # made above, or by train_tokenizer
+    token_dtype(tokenizer.vocab_size)  # a vocabulary the token files cannot hold fails before they are begun
     target = _tokens_dir(data_cfg, source, tokenizer)
     work = target.with_name(f".{target.name}.partial")
     lock = target.with_name(f".{target.name}.lock")

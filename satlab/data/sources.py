@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,26 +218,49 @@ def _file_rows(path: Path) -> int | None:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
 
 
-def document_segments(source: Source, cfg: DataConfig) -> tuple[list[Segment], int | None, dict[str, Any]]:
+def document_segments(source: Source, cfg: DataConfig,
+                      first_use: Callable[[list[Segment], int | None], None] | None = None,
+                      ) -> tuple[list[Segment], int | None, dict[str, Any]]:
     """The documents of ``source`` as segments in their fixed order, the number of rows when it is known (an upper
     bound on the documents: empty rows are skipped), and an embedded corpus' metadata (else ``{}``).
 
     An embedded corpus is read from its prepared jsonl split files, one segment per split; local files (grouped by
     format) and a hub dataset are streamed straight from the source, each document split by its text's hash.
+    ``first_use(segments, rows)`` runs once on the documents before any of them is cached: an embedded corpus this
+    call builds is kept only when it returns (``prepare_data`` checks its BPE tokenizer there).
     """
     if source.kind == "corpus":
-        folder, meta = ensure_corpus(source.name, cfg.cache_dir, cfg.val_fraction)
-        segments = [Segment(source, f"{s}.jsonl", _json_stream([folder / f"{s}.jsonl"]), "text", s) for s in SPLITS]
-        return segments, sum(meta["documents"].values()), meta
+        used: list[bool] = []
+
+        def before_keep(folder: Path, meta: dict[str, Any]) -> None:
+            assert first_use is not None
+            first_use(_corpus_segments(source, folder), sum(meta["documents"].values()))
+            used.append(True)
+
+        folder, meta = ensure_corpus(source.name, cfg.cache_dir, cfg.val_fraction, before_keep if first_use else None)
+        segments, rows = _corpus_segments(source, folder), sum(meta["documents"].values())
+        if first_use is not None and not used:  # the corpus was there already
+            first_use(segments, rows)
+        return segments, rows, meta
     if source.kind == "hub":
-        return [Segment(source, source.name, _hub_stream(source, cfg), cfg.text_field)], cfg.hub_max_documents, {}
+        segments, rows = [Segment(source, source.name, _hub_stream(source, cfg), cfg.text_field)], cfg.hub_max_documents
+        if first_use is not None:
+            first_use(segments, rows)
+        return segments, rows, {}
     segments, counts = [], [_file_rows(p) for p in source.files]
     for fmt in sorted({_file_format(p) for p in source.files}):
         paths = [str(p) for p in source.files if _file_format(p) == fmt]
         extra = {"sample_by": "document"} if fmt == "text" else {}
         stream = datasets.load_dataset(fmt, data_files=paths, split="train", streaming=True, **extra)
         segments.append(Segment(source, f"{fmt} files", stream, "text" if fmt == "text" else cfg.text_field))
-    return segments, None if None in counts else sum(counts), {}
+    rows = None if None in counts else sum(counts)
+    if first_use is not None:
+        first_use(segments, rows)
+    return segments, rows, {}
+
+
+def _corpus_segments(source: Source, folder: Path) -> list[Segment]:
+    return [Segment(source, f"{s}.jsonl", _json_stream([folder / f"{s}.jsonl"]), "text", s) for s in SPLITS]
 
 
 def _json_stream(paths: list[Path]) -> datasets.IterableDataset:

@@ -199,10 +199,12 @@ def build_tokenizer(
     train_batches: Callable[[], Iterable[list[str]]],
     num_train_documents: int | None,
     progress: bool = True,
+    corpus: str = "the train split",
 ) -> TextTokenizer:
     """The tokenizer ``cfg`` asks for. A ``bpe`` one is trained on ``train_batches()`` (the train split's texts)
     only when no tokenizer for the same ``train_identity`` (what identifies the train split's documents) and
-    settings is cached; ``num_train_documents`` (when known) sizes its progress bar."""
+    settings is cached; ``num_train_documents`` (when known) sizes its progress bar. One that comes out smaller than
+    ``vocab_size`` (BPE on ``corpus`` ran out of pairs to merge) is refused before it is cached."""
     from satlab.config.schema import TOKENIZER_KINDS
 
     if cfg.kind not in TOKENIZER_KINDS:
@@ -222,6 +224,12 @@ def build_tokenizer(
     if cfg.kind == "hub":
         return hub_tokenizer(cfg.name, cache_dir)
     tokenizer = train_bpe(train_batches(), cfg.vocab_size, num_train_documents, progress)
+    if tokenizer.vocab_size < cfg.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={cfg.vocab_size} is more than this corpus allows: BPE on {corpus} stops at "
+            f"{tokenizer.vocab_size:,} tokens (by then every word of it is a single token); use at most "
+            f"data.tokenizer.vocab_size={tokenizer.vocab_size}, or a larger corpus"
+        )
     with atomic_directory(_bpe_target(cfg, cache_dir, train_identity)) as tmp:
         tokenizer.save(tmp)
     return tokenizer

@@ -77,25 +77,33 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
     if not base.tracking.enabled:
         raise ConfigError(f"{spec.kind} '{spec.name}': tracking.enabled is false, but the trials' MLflow runs are "
                           "the study's record (what resuming skips, what the report reads); remove the override")
-    spec = replace(spec, storage=storage or spec.storage_url(), out_dir=str(spec.out_path().resolve()))
+    named = storage or spec.storage  # a storage the user names is used as it is; satlab's default may be made
+    spec = replace(spec, storage=named or spec.storage_url(), out_dir=str(spec.out_path().resolve()))
+    db = spec.storage.removeprefix("sqlite:///")
+    if n_trials == 0 and db != spec.storage and not Path(db).is_file():
+        raise ConfigError(f"--n-trials 0 rewrites the report of a study, but {spec.kind} '{spec.name}' has none yet "
+                          f"(no {db}); run it with n_trials >= 1 first")
     if isinstance(spec, SweepSpec):
         spec = replace(spec, pruner=replace(spec.pruner, min_tokens=spec.pruner.min_tokens
                                             or base.train.val_every_tokens))
         plan: Plan = SearchPlan(spec, base.model.arch, spec.n_trials if n_trials is None else n_trials)
     else:
         plan = GridPlan(spec)
+    uri, artifacts = resolve_tracking(base.tracking.uri, base.tracking.artifact_dir)  # both stores are checked
+    uri = ensure_reachable(uri, base.tracking.fallback_local, base.tracking.artifact_dir)  # before anything is made
     retry = StaleTrialRetry(spec.trial.max_retry)
-    rdb = open_storage(spec.storage, spec.trial, retry)  # a bad or unreachable storage fails before anything is made
+    rdb = open_storage(spec.storage, spec.trial, retry,  # a bad or unreachable storage fails before anything is made
+                       create_folder=named is None)
     with library_chatter_to(Path(spec.out_dir), STUDY_LOG):  # MLflow's migrations, Optuna's "study created"
-        return _run(spec, plan, base, rdb, retry, workers, console, report)
+        return _run(spec, plan, base, rdb, retry, workers, console, report, (uri, artifacts))
 
 
 def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storages.RDBStorage,
-         retry: StaleTrialRetry, workers: int, console: Console, report: bool) -> StudyResult:
+         retry: StaleTrialRetry, workers: int, console: Console, report: bool,
+         tracking: tuple[str, str | None]) -> StudyResult:
     prepare_data_once(spec, base, console)
-    uri, artifacts = resolve_tracking(base.tracking.uri, base.tracking.artifact_dir)
-    uri = open_store(ensure_reachable(uri, base.tracking.fallback_local))
-    client = mlflow.MlflowClient(uri)
+    uri, artifacts = tracking
+    client = mlflow.MlflowClient(open_store(uri))
     study, created = open_study(spec, plan, rdb)
     parent_id = retry.parent_run_id = ensure_parent_run(client, study, spec, uri, artifacts, created)
     view_url = publish_study_view(client, spec, parent_id, uri)

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean
-from satlab.config.specs import find_spec, flatten_mapping, read_spec, short_path, spec_names
+from satlab.config.specs import flatten_mapping, item_problem, read_spec, short_path, spec_names
 from satlab.config.structured import build
 from satlab.studies.spec import (
     DEFAULT_SPACE,
@@ -42,7 +42,7 @@ def list_specs(kind: type[StudySpec], root: Path | None = None) -> list[str]:
 
 def load_spec(kind: type[S], name_or_path: str | Path, items: Sequence[str] = ()) -> S:
     """The spec of a name (``lr_tiny``) or YAML file, with command-line items, checked against the base experiment."""
-    path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix)
+    path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix, _keys(kind))
     spec = spec_from_dict(kind, apply_items(kind, data, items), source=short_path(path))
     check_against_config(spec)
     return spec
@@ -63,6 +63,9 @@ def apply_items(kind: type[StudySpec], data: Mapping[str, Any], items: Sequence[
     problems = []
     for item in items:
         key, sep, text = item.partition("=")
+        if (too_long := item_problem(item)) is not None:
+            problems.append(too_long)
+            continue
         if not sep or not key.strip() or "" in key.split("."):
             problems.append(f"malformed item '{item}': expected key=value, e.g. n_trials=4, "
                             "train.max_tokens=1e5 or axes.train.seed=[0,1]")
@@ -146,12 +149,16 @@ def check_against_config(spec: StudySpec) -> None:
                 problems.extend(f"{spec.kind} '{spec.name}', {override}: {p.removeprefix(f'override {override!r}: ')}"
                                 for p in e.problems)
     if isinstance(spec, AblationSpec) and spec.compare_with is not None:
-        try:
-            find_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix)
+        try:  # read now, not at the end of the grid: it must be an ablation
+            read_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix, _keys(type(spec)))
         except ConfigError as e:
             problems.extend(f"{spec.kind} '{spec.name}': compare_with: {p}" for p in e.problems)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
+
+
+def _keys(kind: type[StudySpec]) -> list[str]:
+    return [f.name for f in dataclasses.fields(kind)]
 
 
 def _is_mapping_field(kind: type, name: str) -> bool:

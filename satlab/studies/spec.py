@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import unknown_name
-from satlab.config.loader import default_experiments_dir, load_experiment
+from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
 from satlab.config.schema import ExperimentConfig
 from satlab.config.structured import field_problems
 from satlab.models.architecture import ARCHITECTURES
@@ -177,10 +177,7 @@ class StudySpec(abc.ABC):
         return load_experiment(self.base_path(), [*overrides, *extra])
 
     def base_path(self) -> Path:
-        as_path = Path(self.base)
-        if as_path.suffix in (".yaml", ".yml") or as_path.is_file():
-            return as_path.resolve()
-        return (default_experiments_dir() / f"{self.base}.yaml").resolve()
+        return experiment_path(self.base).resolve()
 
     def out_path(self) -> Path:
         return Path(self.out_dir) if self.out_dir else self.default_out()
@@ -220,7 +217,7 @@ class SweepSpec(StudySpec):
     spec_artifact: ClassVar[str] = "sweep.yaml"
     space: dict[str, Any] = field(default_factory=dict, metadata={"leaf": is_param})
     objective: Objective = field(default_factory=Objective)
-    n_trials: int = field(default=20, metadata=_range(0, 10**6))
+    n_trials: int = field(default=20, metadata=_range(1, 10**6))  # ``--n-trials 0`` rewrites the report
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     pruner: PrunerSpec = field(default_factory=PrunerSpec)
     saturation: SaturationGuard = field(default_factory=SaturationGuard)
@@ -342,6 +339,8 @@ class AblationSpec(StudySpec):
             problems.append(f"'timeout_minutes' must be a positive number or null, got {self.timeout_minutes!r}")
         if self.trial.timeout_minutes is not None:
             problems.append("trial.timeout_minutes: an ablation's limit per cell is its top-level timeout_minutes")
+        if not self.seed_key:
+            problems.append("'seed_key' is empty: it names the axis of replicates (default train.seed)")
         if not self.axes:
             return problems + ["'axes' is empty: give at least one config key with a list of values, "
                                "e.g. axes: {model.arch: [transformer, satformer], train.seed: [0, 1, 2]}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -20,15 +21,18 @@ from satlab.studies.spec import TrialSettings
 
 def open_storage(url: str, settings: TrialSettings | None = None,
                  stale_callback: Callable[[optuna.Study, FrozenTrial], None] | None = None,
-                 create_tables: bool = True) -> RDBStorage:
+                 create_tables: bool = True, create_folder: bool = False) -> RDBStorage:
     """With ``settings`` it records heartbeats: a trial whose worker died is failed after ``grace_seconds`` and
     handed to ``stale_callback``. Not journal storages: Optuna's heartbeats are for RDB storages only, and without
-    them a killed worker's trial would stay RUNNING for ever."""
+    them a killed worker's trial would stay RUNNING for ever.
+
+    The folder of a sqlite file is made only with ``create_folder`` (satlab's own default location); a path the user
+    names must be in a writable folder that exists, so a typo makes no folders and starts nothing."""
     if "://" not in url:
         raise ConfigError(f"storage '{url}' is not a database URL; use sqlite:///<abs path>/optuna.db on one host or "
                           "postgresql://user:password@host/db across hosts (journal files lack heartbeats)")
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if url.startswith("sqlite:"):
+        check_sqlite_file(url, create_folder)
         engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
@@ -54,6 +58,31 @@ def open_storage(url: str, settings: TrialSettings | None = None,
     if url.startswith("sqlite"):
         serialize_sqlite(storage.engine)
     return storage
+
+
+def check_sqlite_file(url: str, create_folder: bool) -> None:
+    """A sqlite storage is a file the trial processes share: not in memory, not a folder, in a writable folder that
+    exists (made here only with ``create_folder``)."""
+    name = url.removeprefix("sqlite:///").partition("?")[0] if url.startswith("sqlite:///") else ""
+    if name in ("", ":memory:") or "mode=memory" in url:
+        raise ConfigError(f"storage '{url}' is an in-memory database, which the trial processes cannot share; use "
+                          "sqlite:///<abs path>/optuna.db")
+    path = Path(name)
+    folder = path.parent
+    if create_folder:
+        folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"the folder of the storage '{url}', {folder}, is a file, not a folder; fix the path")
+    if not folder.is_dir():
+        raise ConfigError(f"the folder of the storage '{url}', {folder}, does not exist; satlab makes no folders for a "
+                          f"storage you name: create it first (mkdir -p {folder}) or fix the path")
+    if path.is_dir():
+        raise ConfigError(f"storage '{url}' names the folder {path}; name a database file in it, e.g. "
+                          f"sqlite:///{path / 'optuna.db'}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.R_OK | os.W_OK)):
+        where = path if path.exists() else folder
+        raise ConfigError(f"storage '{url}': {where} is not writable by this user; sqlite needs to write the database "
+                          "and its journal next to it, so pick a folder of yours or fix the permissions")
 
 
 def serialize_sqlite(engine: sqlalchemy.engine.Engine) -> None:

@@ -1,7 +1,8 @@
 """What a satlab checkpoint carries besides the weights, and loading a model back from one.
 
 Every Lightning checkpoint gets a ``satlab`` entry: the resolved config (YAML) and the tokenizer, so a checkpoint
-alone is enough to evaluate or generate. It is loaded with ``weights_only=True``: only tensors and plain data.
+alone is enough to evaluate or generate. Every file is scanned before it is loaded, and loaded with
+``weights_only=True`` (:mod:`satlab.training.checkpoint_scan`).
 
 A checkpoint is either one file (``torch.save``: DDP, one device) or a sharded directory (``train.strategy`` fsdp or
 model_parallel): ``torch.distributed.checkpoint`` shards (``__<rank>_0.distcp``), their index ``.metadata`` (written
@@ -22,8 +23,14 @@ from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import TextTokenizer
 from satlab.models import DecoderLM, build_model
-
-KEY = "satlab"
+from satlab.training.checkpoint_scan import (
+    KEY,
+    NotSatlabCheckpoint,
+    cannot_read,
+    inspect_checkpoint_file,
+    inspect_shard_index,
+    load_checkpoint_file,
+)
 
 
 def satlab_entry(cfg: ExperimentConfig, tokenizer: TextTokenizer) -> dict:
@@ -68,6 +75,8 @@ def sharded_weights_key(path: Path) -> str:
     shard file it names is there and long enough (a removal or copy cut off midway leaves the index behind)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    if problem := inspect_shard_index(path / SHARD_INDEX):  # before read_metadata unpickles it
+        raise NotSatlabCheckpoint(problem)
     metadata = FileSystemReader(path).read_metadata()
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -86,14 +95,17 @@ def sharded_weights_key(path: Path) -> str:
 
 def read_checkpoint_meta(path: Path) -> dict:
     """Everything of a checkpoint but (for a sharded one) its weights and optimizer states: the step, the
-    ``satlab`` entry, Lightning's loop and callback states. Raises what torch raises on an unreadable one, and
+    ``satlab`` entry, Lightning's loop and callback states. Raises NotSatlabCheckpoint for a file (or ``meta.pt``
+    or shard index) that the scan refuses, before anything is unpickled; what torch raises on an unreadable one; and
     ValueError for an incomplete directory or one without model weights."""
     if path.is_dir():
         if problem := sharded_problem(path):
             raise ValueError(problem)
+        if problem := inspect_checkpoint_file(path / SHARDED_META):  # before the shard index is unpickled
+            raise NotSatlabCheckpoint(f"its {SHARDED_META} {problem.removeprefix('it ')}")
         sharded_weights_key(path)
-        return torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return load_checkpoint_file(path / SHARDED_META)
+    state = load_checkpoint_file(path, mmap=True)
     if "state_dict" not in state:
         raise ValueError("it lacks the model state")
     return state
@@ -106,7 +118,7 @@ def load_sharded_weights(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    key = sharded_weights_key(path)
+    key = sharded_weights_key(path)  # scans the shard index, which _load_state_dict unpickles
     state: dict = {}
     # The planner builds the state dict from the index (no model needed) and `keys` keeps it to the weights; this
     # is torch's own dcp_to_torch_save (format_utils) minus the optimizer states. The public `load` only fills the
@@ -132,8 +144,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
     try:
         state = read_checkpoint_meta(path)
         weights = load_sharded_weights(path) if path.is_dir() else state["state_dict"]
+    except NotSatlabCheckpoint as error:
+        raise ConfigError(cannot_read(path, error)) from None
     except Exception as error:  # truncated or corrupt files raise many different errors
-        raise ConfigError(f"checkpoint '{path}' cannot be read ({type(error).__name__}: {error})") from error
+        raise ConfigError(cannot_read(path, error)) from error
     if KEY not in state:
         raise ConfigError(f"'{path}' is not a satlab checkpoint (it has no '{KEY}' entry with config and tokenizer)")
     cfg = config_from_yaml(state[KEY]["config"])

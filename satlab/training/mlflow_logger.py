@@ -9,22 +9,33 @@ budgeted in tokens has one epoch. No point is missed
 either, because checkpoints are written only after everything of their step is logged
 (:class:`~satlab.training.resilience.CheckpointAfterValidation`).
 
+Writes go through :class:`~satlab.training.tracking_buffer.BufferedClient`, so an outage of the store costs no
+record: what could not be sent waits in the run folder and is sent, in order, once the store answers.
+
 The run's MLflow status is set by :meth:`close`, not by Lightning's ``finalize``, which runs after every
 ``trainer.validate`` and would mark a run FINISHED by the validation before training starts.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from satlab.training.tracking_buffer import BufferedClient
+
+CLOSE_WAIT_SECONDS = 120.0
+"""How long the end of a run waits for a store that is down to take what was kept during the outage."""
+
 
 class ResumableMLFlowLogger(MLFlowLogger):
-    def __init__(self, *args, resume_step: int | None = None, **kwargs):
+    def __init__(self, *args, run_dir: Path, store: str, resume_step: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._mlflow_client = self.buffer = BufferedClient(self._mlflow_client, run_dir, store)
         self.resume_step = resume_step
         self._recorded: Counter[tuple[str, int]] | None = None
 
@@ -32,6 +43,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
         """How many points per (key, step) the reopened run holds at or after the resume step (read once)."""
         if self._recorded is None:
             self._recorded = Counter()
+            self.buffer.flush(force=True)  # what an earlier process kept during an outage counts as recorded
             if self.resume_step is not None:
                 client, run_id = self.experiment, self.run_id
                 for key in client.get_run(run_id).data.metrics:
@@ -59,5 +71,10 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def close(self, status: str) -> None:
-        """End the MLflow run as FINISHED, FAILED or KILLED."""
+        """End the MLflow run as FINISHED, FAILED or KILLED, once what an outage kept back is sent (or, if the store
+        stays down, say where it is kept)."""
         self.experiment.set_terminated(self.run_id, status)
+        if not self.buffer.wait_for_store(CLOSE_WAIT_SECONDS):
+            print(f"satlab: the tracking store is still down; this run's last records are kept in "
+                  f"{self.buffer.spool} and are sent when the run is started again (same command, resume=auto)",
+                  file=sys.stderr)

@@ -9,6 +9,7 @@ leftovers that :func:`remove_partial_checkpoints` clears once the run holds its 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -24,8 +25,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from satlab.config.errors import ConfigError
+from satlab.config.errors import EXIT_NO_SPACE, ConfigError, RunStopped
 from satlab.training.checkpoint import KEY, read_checkpoint_meta
+from satlab.training.checkpoint_scan import cannot_read, load_checkpoint_file
 
 LOCK_FILE = ".lock"
 WRITING, REPLACED, REMOVED = ".tmp-", ".old-", ".removed-"
@@ -93,6 +95,67 @@ class RunLock:
             self.fd = None
 
 
+class NoSpaceForCheckpoint(RunStopped):
+    """A checkpoint does not fit on its disk. The previous checkpoints are intact (a write goes to a temporary file
+    first); the CLI exits with ``EXIT_NO_SPACE`` so a job script can hold the job until space is freed."""
+
+    exit_code = EXIT_NO_SPACE
+
+    def __init__(self, folder: Path, needed: int):
+        super().__init__(f"no space left on {folder}: the checkpoint needs ~{_size(needed)} and "
+                         f"{_size(free_space(folder))} are "
+                         "free. The previous checkpoints are intact; free space there (or set train.out_dir to "
+                         f"another disk) and run the same command to continue (exit code {EXIT_NO_SPACE})")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def checkpoint_bytes(state: Any) -> int:
+    """What ``state`` needs on disk, nearly: the bytes of its tensors (a sharded tensor's local shard, which is what
+    this process writes), plus a margin for the pickled rest and the archive's alignment."""
+    total = 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            local = item.to_local() if hasattr(item, "to_local") else item
+            total += local.numel() * local.element_size() + 64
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return int(total * 1.01) + (64 << 10)
+
+
+def free_space(folder: Path) -> int:
+    """Free bytes on the disk of ``folder``, or of its nearest existing parent (a save makes the folder)."""
+    return shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
+
+
+def ensure_space(folder: Path, needed: int) -> None:
+    """Raises :class:`NoSpaceForCheckpoint` before a write of ``needed`` bytes into ``folder`` that cannot fit."""
+    if free_space(folder) < needed:
+        raise NoSpaceForCheckpoint(folder, needed)
+
+
+def out_of_space(error: BaseException | None) -> bool:
+    """Whether a failed write failed for lack of space: ENOSPC or EDQUOT from the OS, or torch's archive writer,
+    which reports a short write as "unexpected pos" (sharded saves gather every rank's error into one message)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in ("No space left on device", "Disk quota exceeded", "unexpected pos")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes each checkpoint to a temporary file in the same folder and renames it into place, so a kill during
     the write leaves the previous checkpoint intact; loads with ``weights_only=True``."""
@@ -101,14 +164,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        needed = checkpoint_bytes(checkpoint)
+        ensure_space(path.parent, needed)
         try:
             torch.save(checkpoint, tmp)
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as error:
+            if out_of_space(error):
+                tmp.unlink(missing_ok=True)
+                raise NoSpaceForCheckpoint(path.parent, needed) from error
+            raise
         finally:
             tmp.unlink(missing_ok=True)
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = True) -> dict:
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+        """Scanned first, as every satlab read of a checkpoint (:func:`load_checkpoint_file`): a file that is not a
+        satlab checkpoint is refused with satlab's message, and nothing in it is unpickled."""
+        try:
+            return load_checkpoint_file(Path(path), map_location or "cpu")
+        except Exception as error:  # torch's own errors too: satlab's message, without advice to load unsafely
+            raise ConfigError(cannot_read(path, error)) from None
 
     def remove_checkpoint(self, path) -> None:
         """Renamed aside first, so a kill during the (for a sharded directory, many-file) delete leaves nothing
@@ -142,7 +217,16 @@ class AtomicShardedSave:
         if self.is_global_zero and tmp.exists():
             _delete(tmp)
         self.barrier("satlab_sharded_checkpoint_start")
-        super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        needed = checkpoint_bytes(checkpoint)  # this rank's shards: every rank checks its own disk, and all stop
+        fits = free_space(path.parent) >= needed
+        if not (self.reduce_boolean_decision(fits, all=True) if self.world_size > 1 else fits):
+            raise NoSpaceForCheckpoint(path.parent, needed)
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        except Exception as error:  # torch.distributed.checkpoint raises every rank's errors on every rank
+            if out_of_space(error):
+                raise NoSpaceForCheckpoint(path.parent, needed) from error
+            raise
         # torch.distributed.checkpoint's coordinator writes the index only after every rank reported its shards
         # written, and Lightning writes meta.pt after that; the barrier makes "all ranks are done" explicit.
         self.barrier("satlab_sharded_checkpoint_written")
@@ -183,6 +267,12 @@ class CheckpointAfterValidation(ModelCheckpoint):
         """One key whatever the interval (Lightning's includes it): a resume that extends ``train.max_tokens``, which
         can move the checkpoint interval, restores this callback's state instead of warning and dropping it."""
         return type(self).__name__
+
+    def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        """Lightning never deletes the checkpoint a run resumed from (it may be another run's); a satlab run resumes
+        only from its own folder, where that one is just its oldest step checkpoint, and keeping it would leave
+        ``keep_last_k + 1``."""
+        return previous != current and Path(self.dirpath).absolute() in Path(previous).absolute().parents
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -269,6 +359,26 @@ def remove_partial_checkpoints(checkpoint_dir: Path) -> list[str]:
     if removed:
         print(f"satlab: removed what interrupted checkpoint writes left in {checkpoint_dir}: {', '.join(removed)}",
               file=sys.stderr)
+    return removed
+
+
+def keep_newest_steps(checkpoint_dir: Path, keep: int, resume_from: Path | None = None) -> list[str]:
+    """Deletes the step checkpoints beyond the newest ``keep`` (``train.keep_last_k``). Lightning deletes the
+    oldest only after writing the newest, and remembers only those it wrote, so a kill between the two (or a
+    smaller ``keep_last_k`` on resume) leaves one it never deletes. Call it on rank 0 while holding the run's
+    lock, after the resume checkpoint is chosen: ``resume_from`` is never deleted. Returns the names deleted."""
+    if not checkpoint_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(checkpoint_dir.glob("step*.ckpt"), key=_step_of, reverse=True)[keep:]:
+        if path != resume_from:
+            gone = _aside(path, REMOVED)
+            os.rename(path, gone)
+            _delete(gone)
+            removed.append(path.name)
+    if removed:
+        print(f"satlab: train.keep_last_k={keep}: removed older step checkpoints {', '.join(removed)} from "
+              f"{checkpoint_dir}", file=sys.stderr)
     return removed
 
 

@@ -39,6 +39,7 @@ from satlab.training.resilience import (
     CheckpointOnSigterm,
     RunLock,
     find_resume_checkpoint,
+    keep_newest_steps,
     remove_partial_checkpoints,
 )
 from satlab.training.summary import print_summary
@@ -50,6 +51,7 @@ from satlab.training.tracking import (
     provenance_tags,
     resolve_tracking,
     run_params,
+    safe_uri,
 )
 from satlab.training.views import COLOUR_TAG, arch_colour, publish_family_view
 
@@ -115,7 +117,8 @@ def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None]
     if not cfg.tracking.enabled or rank_zero_only.rank != 0:
         return None
     uri, artifacts = resolve_tracking(cfg.tracking.uri, cfg.tracking.artifact_dir)
-    return ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local), artifacts
+    return ensure_reachable(info.get("tracking_uri", uri), cfg.tracking.fallback_local,
+                            cfg.tracking.artifact_dir), artifacts
 
 
 def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
@@ -165,6 +168,8 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
         artifact_location=artifacts,
         run_id=info.get("mlflow_run_id"),
         resume_step=resume_step,
+        run_dir=run_dir,
+        store=safe_uri(uri),
         tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | description
         | {COLOUR_TAG: arch_colour(cfg.model.arch)} | dict(cfg.tracking.tags),  # a study colours by its groups
     )
@@ -194,6 +199,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
             remove_partial_checkpoints(run_dir / "checkpoints")  # only now: the lock makes them leftovers
+            keep_newest_steps(run_dir / "checkpoints", cfg.train.keep_last_k, ckpt_path)
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
         schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)

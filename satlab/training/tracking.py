@@ -1,4 +1,4 @@
-"""MLflow tracking: where runs go, provenance tags, and a fail-fast check of the tracking server.
+"""MLflow tracking: where runs go, provenance tags, and a check that the tracking store answers before a run starts.
 
 MLflow >= 3.13 refuses a plain-folder store, so the default is a sqlite database ``mlruns/mlflow.db`` with
 artifacts in ``mlruns/artifacts`` under the project (or ``$MLFLOW_TRACKING_URI``).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 import urllib.error
@@ -55,31 +56,118 @@ def open_store(uri: str) -> str:
     return uri
 
 
-def check_server(uri: str, timeout: float = 5.0) -> str | None:
-    """None when an http(s) tracking server answers (or the store is local); otherwise why it does not."""
-    if not uri.startswith(("http://", "https://")):
+CHECK_SECONDS = 10.0
+"""How long a tracking store may take to answer the check before a run: MLflow's own clients retry for minutes."""
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+"""The SQLAlchemy databases MLflow can use as a tracking store (with an optional ``+driver``)."""
+
+
+def store_problem(uri: str, timeout: float = CHECK_SECONDS) -> str | None:
+    """None when the tracking store at ``uri`` can be used now, else why not. Checked before anything is written:
+    a sqlite file (its folder must exist unless it is satlab's default store, and an existing file must be a
+    database), an http(s) server (its health endpoint), a database server (a connection); any other scheme is
+    refused. Each check gives up after ``timeout`` seconds."""
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme == "sqlite":
+        return sqlite_problem(Path(uri.removeprefix("sqlite:///")))
+    if scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+        except (urllib.error.URLError, OSError) as error:
+            return str(getattr(error, "reason", error))
         return None
-    try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
-    except (urllib.error.URLError, OSError) as error:
-        return str(getattr(error, "reason", error))
+    if scheme in DATABASE_SCHEMES:
+        return database_problem(uri, timeout)
+    return (f"its scheme '{scheme}://' is not one satlab can check; use sqlite:///<abs path>/mlflow.db, an http(s) "
+            f"tracking server or a database URL ({', '.join(s + '://' for s in DATABASE_SCHEMES)})")
+
+
+def store_folder_problem(db: Path) -> str | None:
+    """None when the folder of a database file exists or can be made as one new folder in an existing one (as
+    ``mlruns/`` is); a path whose parents are missing too is more likely a typo than a wish for a folder tree."""
+    if db.parent.is_dir() or db.parent.parent.is_dir():
+        return None
+    return f"its folder {db.parent} does not exist, nor does {db.parent.parent} (create it first: mkdir -p {db.parent})"
+
+
+def sqlite_problem(db: Path) -> str | None:
+    if problem := store_folder_problem(db):
+        return problem
+    if db.is_dir():
+        return f"{db} is a folder, not a database file"
+    if db.exists():
+        import sqlite3
+
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=CHECK_SECONDS) as connection:
+                connection.execute("PRAGMA schema_version").fetchone()
+        except sqlite3.Error as error:
+            return f"{db} is not a usable sqlite database ({error})"
     return None
 
 
-def ensure_reachable(uri: str, fallback_local: bool) -> str:
-    """The URI to use: ``uri`` when reachable; the local sqlite store if the server is down and fallback is on."""
-    problem = check_server(uri)
+def database_problem(uri: str, timeout: float) -> str | None:
+    """Connects once, in a thread given ``timeout`` seconds: drivers take a connect timeout, but a DNS lookup or a
+    half-open connection can outlast it."""
+    import threading
+
+    import sqlalchemy
+
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": max(1, int(timeout))})
+            with engine.connect():
+                pass
+            engine.dispose()
+            outcome.append(None)
+        except ImportError as error:
+            outcome.append(f"its database driver is not installed ({error}); for PostgreSQL: pip install psycopg")
+        except Exception as error:  # noqa: BLE001 - SQLAlchemy wraps each driver's errors differently
+            outcome.append(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}")
+
+    thread = threading.Thread(target=connect, name="satlab-store-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"no answer within {timeout:.0f} s"
+
+
+def artifact_problem(artifact_dir: str | None) -> str | None:
+    """None when the artifact folder can be written (or is not set), else why not."""
+    if not artifact_dir:
+        return None
+    path = Path(artifact_dir).resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"tracking.artifact_dir {path} cannot be written ({existing} is not a writable folder)"
+    return None
+
+
+def ensure_reachable(uri: str, fallback_local: bool, artifact_dir: str | None = None) -> str:
+    """The URI to use: ``uri`` when its store answers; the local sqlite store if it does not and fallback is on.
+    Raises ConfigError (exit 2, nothing written) otherwise, naming the store tried and why it failed."""
+    if problem := artifact_problem(artifact_dir):
+        raise ConfigError(problem + "; give a folder you can write to, or leave it unset (the store's default)")
+    problem = store_problem(uri)
     if problem is None:
         return uri
-    if fallback_local:
+    shown = safe_uri(uri)
+    if fallback_local and uri != default_tracking_uri():
         local = default_tracking_uri()
-        print(f"satlab: MLflow server {uri} is unreachable ({problem}); logging to the local store {local}",
+        print(f"satlab: MLflow tracking store {shown} is unusable ({problem}); logging to the local store {local}",
               file=sys.stderr)
         return local
     raise ConfigError(
-        f"the MLflow tracking server {uri} is unreachable ({problem}); start it (make ui serves the local store), "
-        "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.fallback_local=true to log to mlruns/mlflow.db"
+        f"the MLflow tracking store {shown} cannot be used: {problem}. Start or fix it (make ui serves the local "
+        "store), or fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.fallback_local=true to log to "
+        "mlruns/mlflow.db; nothing was written"
     )
+
+
+def safe_uri(uri: str) -> str:
+    """``uri`` without a password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", uri)
 
 
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
