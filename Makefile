@@ -38,17 +38,18 @@ UI_PORT ?= 5000
 UI_HOST ?= 127.0.0.1
 SWEEP ?= lr_tiny
 WORKERS ?= 1
+TEST_WORKERS ?= auto  # pytest-xdist processes for make test (each test keeps to one thread)
 DASHBOARD_PORT ?= 8080
 DASHBOARD_HOST ?= 127.0.0.1
 
 train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS="optim.lr=1e-3 ..."]
 	$(VENV)/bin/satlab train experiment=$(EXP) $(ARGS)
 
-test: $(STAMP) ## run the fast test suite (what CI runs)
-	$(PY) -m pytest -q
+test: $(STAMP) ## run the fast test suite (what CI runs), one pytest process per core: make test [TEST_WORKERS=n]
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 test-full: $(STAMP) ## run every test, slow ones included
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m ''
 
 lint: $(STAMP) ## ruff over the package and tests, and the import contracts (pyproject's [tool.importlinter])
 	$(VENV)/bin/ruff check satlab tests

@@ -194,6 +194,7 @@ def launch(processes: list, base, cache, log) -> subprocess.Popen:
     args = [*TINY, *SHARDED, "name=sharded", f"data.cache_dir={cache}", f"train.out_dir={base / 'runs'}",
             f"tracking.uri=sqlite:///{base / 'mlruns' / 'mlflow.db'}"]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    base.mkdir(parents=True, exist_ok=True)  # the store's folder is made only inside one that exists
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "satlab.cli.main", "train", "--no-progress", *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
