@@ -348,17 +348,23 @@ def study_argv(command: str, spec: str, args: list[str], tmp_path) -> tuple[list
     return [command, spec, *isolating, *args], inputs
 
 
-@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c[0] for c in SWEEP_CASES])
-def test_bad_sweep_input_is_one_clear_usage_error(case, tmp_path, capsys):
+def assert_refused_study(command: str, spec: str, case, tmp_path, capsys) -> None:
+    """``satlab <command> <spec> <case's args>`` exits 2 with the case's fragments and writes nothing."""
     _, args, fragments = case
-    argv, inputs = study_argv("sweep", "lr_tiny", args, tmp_path)
+    argv, inputs = study_argv(command, spec, args, tmp_path)
     code, err = run_cli(argv, tmp_path, capsys)
     assert code == 2, err
+    assert err.startswith(f"satlab {command}: error:")
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in: {err}"
     assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
     assert_nothing_written(tmp_path, inputs)
     assert not Path("/nonexistent").exists()
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c[0] for c in SWEEP_CASES])
+def test_bad_sweep_input_is_one_clear_usage_error(case, tmp_path, capsys):
+    assert_refused_study("sweep", "lr_tiny", case, tmp_path, capsys)
 
 
 ABLATE_CASES = [
@@ -376,16 +382,7 @@ ABLATE_CASES = [
 
 @pytest.mark.parametrize("case", ABLATE_CASES, ids=[c[0] for c in ABLATE_CASES])
 def test_bad_ablation_input_is_one_clear_usage_error(case, tmp_path, capsys):
-    _, args, fragments = case
-    argv, inputs = study_argv("ablate", "arch_tiny", args, tmp_path)
-    code, err = run_cli(argv, tmp_path, capsys)
-    assert code == 2, err
-    assert err.startswith("satlab ablate: error:")
-    for fragment in fragments:
-        assert fragment in err, f"{fragment!r} not in: {err}"
-    assert not [text for text in NEVER_ECHOED if text in err], err[:2000]
-    assert_nothing_written(tmp_path, inputs)
-    assert not Path("/nonexistent").exists()
+    assert_refused_study("ablate", "arch_tiny", case, tmp_path, capsys)
 
 
 SPEC_FILE_CASES = [

@@ -56,6 +56,11 @@ _STRINGS = frozenset({"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINU
 _MARK = object()
 
 
+def _last_mark(stack: list) -> int:
+    """The index of the topmost mark on ``stack`` (0 when there is none: everything goes)."""
+    return next((i for i in range(len(stack) - 1, -1, -1) if stack[i] is _MARK), 0)
+
+
 def pickle_globals(data: bytes) -> tuple[set[str], set[str]]:
     """(the globals, the string constants) of the pickle ``data``, from its opcodes alone (``pickletools.genops``
     parses, never runs them). STACK_GLOBAL takes its module and name from the stack, which may come from the memo,
@@ -71,8 +76,7 @@ def pickle_globals(data: bytes) -> tuple[set[str], set[str]]:
             continue
         before = op.stack_before
         if pickletools.markobject in before or (op.name == "POP" and stack and stack[-1] is _MARK):
-            while stack and stack.pop() is not _MARK:  # everything above the mark, and the mark
-                pass
+            del stack[_last_mark(stack):]  # everything above the mark, and the mark
             before = before[:before.index(pickletools.markobject)] if pickletools.markobject in before else []
         cut = max(0, len(stack) - len(before))
         taken, after = stack[cut:], [None] * len(op.stack_after)

@@ -118,8 +118,7 @@ def database_problem(uri: str, timeout: float) -> str | None:
     def connect() -> None:
         try:
             engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": max(1, int(timeout))})
-            with engine.connect():
-                pass
+            engine.connect().close()
             engine.dispose()
             outcome.append(None)
         except ImportError as error:

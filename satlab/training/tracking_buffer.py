@@ -41,14 +41,11 @@ def store_unavailable(error: BaseException) -> bool:
 
     if isinstance(error, MlflowException):
         return error.get_http_status_code() >= 500
-    try:
-        import sqlalchemy.exc
-
-        if isinstance(error, sqlalchemy.exc.OperationalError | sqlalchemy.exc.DisconnectionError):
-            return True
-    except ImportError:
-        pass
     import requests
+    import sqlalchemy.exc  # MLflow's own dependency, like requests
+
+    if isinstance(error, sqlalchemy.exc.OperationalError | sqlalchemy.exc.DisconnectionError):
+        return True
 
     return isinstance(error, requests.ConnectionError | requests.Timeout | ConnectionError | TimeoutError)
 
