@@ -233,3 +233,12 @@ def test_a_sharded_directory_with_a_payload_index_or_meta_is_refused_before_any_
     assert main(["eval", f"ckpt={ckpt}", "tasks=satlab_mqar_8", "--no-mlflow"]) == 2
     assert f"{where} references posix.system" in capsys.readouterr().err
     assert not marker.exists() and unpickled == []
+
+
+def test_a_global_named_below_a_popped_mark_is_named_as_the_unpickler_would():
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()
+
+    # "posix" "system", then MARK "a" "b" POP_MARK (the unpickler drops the mark and all above it), STACK_GLOBAL
+    data = b"\x80\x04" + text("posix") + text("system") + b"(" + text("a") + text("b") + b"1" + b"\x93" + b")R."
+    assert pickle_globals(data)[0] == {"posix.system"}
