@@ -54,6 +54,9 @@ def test_a_run_logs_suite_results_gate_statistics_and_heatmaps(tmp_path):
     assert result.eval_seconds < result.fit_seconds
     assert "gates/layer_means.png" in artifacts and len(evaluation.layer_history) >= 2
     assert evaluation.state_dict()["layer_history"] == evaluation.layer_history  # into checkpoints, for a resume
+    assert {"gates/saturation.png", "gates/saturation_history.json"} <= set(artifacts)
+    assert len(evaluation.saturation_history) == len(evaluation.layer_history)  # one entry per analysis
+    assert evaluation.state_dict()["saturation_history"] == evaluation.saturation_history
 
 
 def test_a_run_page_leads_with_what_matters(tmp_path):

@@ -1,5 +1,7 @@
 """Evaluation inside a training run: gate statistics at every validation; the lm-eval suite, the gate heatmaps and
-the mixing-weight plots at the end (and every ``eval.every_tokens``), all in the run's own MLflow run."""
+the mixing-weight plots at the end (and every ``eval.every_tokens``), all in the run's own MLflow run. The figures
+over time, ``gates/layer_means.png`` and ``gates/saturation.png`` (saturated heads per layer at every analysis, its
+data in ``gates/saturation_history.json``), are replaced at each of those."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import torch
 
 from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.gate_logging import log_gate_analysis
-from satlab.evaluation.gates import analyze_gates
-from satlab.evaluation.plots import plot_layer_means
+from satlab.evaluation.gates import GateReport, analyze_gates
+from satlab.evaluation.plots import plot_layer_means, plot_saturation
 from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
 
 
@@ -29,13 +31,26 @@ class EvaluationCallback(L.Callback):
         self.last_gate_scalars: dict[str, float] = {}
         self.end_eval_seconds: float | None = None  # wall time of the evaluation at the end of training
         self.layer_history: list[tuple[int, list[float]]] = []  # (step, mean gate per layer) at every analysis
+        self.saturation_history: list[dict] = []
+        """At every analysis ``{"step", "share", "saturated"}``, the last two [gated layer][head]: the share of the
+        head's elements at its most frequent bound, and whether it is saturated by its gate function's rule."""
 
     def state_dict(self) -> dict:
-        """Saved in checkpoints: a resumed run's per-layer figure keeps the analyses before the restart."""
-        return {"layer_history": self.layer_history}
+        """Saved in checkpoints: a resumed run's per-layer figures keep the analyses before the restart."""
+        return {"layer_history": self.layer_history, "saturation_history": self.saturation_history}
 
     def load_state_dict(self, state: dict) -> None:
         self.layer_history = [(int(step), list(means)) for step, means in state.get("layer_history", [])]
+        self.saturation_history = [
+            {"step": int(entry["step"]), "share": [[float(v) for v in row] for row in entry["share"]],
+             "saturated": [[bool(v) for v in row] for row in entry["saturated"]]}
+            for entry in state.get("saturation_history", [])]
+
+    def saturation_json(self, report: GateReport) -> dict:
+        """The saturation history with what it needs to be read: the gate function, its rule, the analysis's
+        settings and the gated layers (the rows of each matrix)."""
+        return {"gate_fn": report.gate_fn, "rule": report.rule, "settings": report.settings, "layers": report.layers,
+                "heads": report.heads, "history": self.saturation_history}
 
     def _client(self, trainer):
         logger = trainer.logger
@@ -56,6 +71,10 @@ class EvaluationCallback(L.Callback):
         self.last_gate_scalars = report.scalars() if report is not None else {}  # every rank: a sweep's guard
         if report is not None and (not self.layer_history or self.layer_history[-1][0] < trainer.global_step):
             self.layer_history.append((trainer.global_step, report.layer_means()))
+        if report is not None and (not self.saturation_history
+                                   or self.saturation_history[-1]["step"] < trainer.global_step):
+            self.saturation_history.append({"step": trainer.global_step, "share": report.saturation.tolist(),
+                                            "saturated": report.saturated.tolist()})
         client, run_id = self._client(trainer)
         if not trainer.is_global_zero or client is None:
             return
@@ -65,6 +84,9 @@ class EvaluationCallback(L.Callback):
             if report is not None:  # one chart for all layers, replaced at every analysis
                 figure = plot_layer_means(report.layers, self.layer_history, report.label)
                 client.log_figure(run_id, figure, "gates/layer_means.png", save_kwargs={"dpi": 120})
+                figure = plot_saturation(report.layers, self.saturation_history, report.label, report.rule)
+                client.log_figure(run_id, figure, "gates/saturation.png", save_kwargs={"dpi": 120})
+                client.log_dict(run_id, self.saturation_json(report), "gates/saturation_history.json")
         elif report is not None:
             trainer.logger.log_metrics(report.scalars(), step=trainer.global_step)
 

@@ -1,20 +1,29 @@
 """What SATFormer's gates do on a fixed evaluation batch: per layer × KV head mean gate, sparsity, saturation and dead
 heads, and the mean gate by token category.
 
-Definitions (``tol`` is ``bound_tol``, ``share`` is ``saturation_share``; "elements" are the gate values of one
-(layer, head): tokens, or tokens × channels for ``token_channel`` gates):
+Definitions (``tol`` is ``bound_tol`` and ``share`` is ``saturation_share``, arguments of :func:`analyze_gates`
+like ``dead_share``; "elements" are the gate values of one (layer, head): tokens, or tokens × channels for
+``token_channel`` gates):
 
 - *mean*: the mean gate over a head's elements; for ``token_channel`` gates this averages over channels too.
 - *sparsity*: the share of elements with ``|g| < tol`` (the issue's "exactly zero or < 1e-3" at the default tol).
   Signed gate functions (tanh, identity) count by magnitude.
-- *saturation*: a (layer, head) is saturated when at least ``share`` of its elements lie within ``tol`` of one
-  and the same bound of its gate function (:func:`gate_bounds`): 0 for relu; 0 or 1 for sigmoid; -1 or 1 for tanh;
-  0 or G for softmax and softmax_sigmoid (G = number of gate heads; their range is [0, G], so G means "one head
-  takes all"; with G = 1 softmax is the constant 1 and counts as saturated, softmax_sigmoid is a sigmoid);
-  none for identity, which is unbounded and never saturates (a closed identity gate shows up as a dead head).
-  A head that flips between two bounds is a switch, not saturated.
-- *dead head*: a (layer, head) whose sparsity is at least ``share`` (the gate is ~0 for nearly every element);
-  for relu, sigmoid and the softmax variants a dead head is also saturated at 0.
+- *saturation*: by the rule of the gate function in the table (:attr:`GateFunction.saturates
+  <satlab.models.gate_functions.GateFunction.saturates>`, :func:`saturation_rule`), against its bounds
+  (:func:`gate_bounds`); the report's ``saturation`` is the share of a head's elements within ``tol`` of its most
+  frequent bound, whatever the rule.
+
+  - ``pinned`` (sigmoid: 0 or 1; 2sigmoid: 0 or 2; tanh: -1 or 1; softmax and softmax_sigmoid: 0 or G, G = number
+    of gate heads, so G means "one head takes all"; with G = 1 softmax is the constant 1 and counts as saturated,
+    softmax_sigmoid is a sigmoid): saturated when at least ``share`` of its elements lie within ``tol`` of one and
+    the same bound. A head that flips between two bounds is a switch, not saturated.
+  - ``dead`` (relu): saturated only when closed, ``|g| < tol``, on at least ``dead_share`` of its elements; the
+    default 1.0 means on every element of the windows. A ReLU head closed on most but not all tokens is sparse
+    (a feature: it still opens, and learns, on the others), which ``sparsity`` reports; it is not saturated.
+  - ``never`` (identity): unbounded, never saturated (a closed identity gate shows up as a dead head).
+- *dead head*: a (layer, head) whose sparsity is at least ``share`` (the gate is ~0 for nearly every element), for
+  every gate function; for sigmoid and the softmax variants a dead head is also saturated at 0, for relu only when
+  its sparsity reaches ``dead_share`` (by default: closed on every element).
 
 Categories average each token's gate over heads (and channels) and report, per gated layer, the mean over the
 tokens of each category value: ``occurrence`` (``first`` vs ``repeated``: the token id already occurred earlier in
@@ -36,14 +45,43 @@ import torch
 from torch import Tensor, nn
 
 from satlab.data.tokenizer import TextTokenizer
-from satlab.models.gate_functions import GATE_FUNCTIONS
+from satlab.models.gate_functions import GATE_FUNCTIONS, GateFunction
 
 
 def gate_bounds(gate_fn: str, heads: int) -> tuple[float, ...]:
     """The values a gate of ``gate_fn`` over ``heads`` gate heads can be pinned at (the gate-function table's)."""
+    return _gate_function(gate_fn).bounds(heads)
+
+
+def saturation_rule(gate_fn: str) -> str:
+    """``pinned``, ``dead`` or ``never``: when a head of ``gate_fn`` is saturated (the gate-function table's)."""
+    return _gate_function(gate_fn).saturates
+
+
+def _gate_function(gate_fn: str) -> GateFunction:
     if gate_fn not in GATE_FUNCTIONS:
         raise ValueError(f"unknown gate function {gate_fn!r}; known: {', '.join(GATE_FUNCTIONS)}")
-    return GATE_FUNCTIONS[gate_fn].bounds(heads)
+    return GATE_FUNCTIONS[gate_fn]
+
+
+def required_share(gate_fn: str, saturation_share: float = 0.99, dead_share: float = 1.0) -> float | None:
+    """The share of a head's elements at one bound that makes it saturated under ``gate_fn``'s rule (None: never)."""
+    return {"pinned": saturation_share, "dead": dead_share, "never": None}[saturation_rule(gate_fn)]
+
+
+def head_saturation(gates: Tensor, gate_fn: str, bound_tol: float = 1e-3, saturation_share: float = 0.99,
+                    dead_share: float = 1.0) -> tuple[list[float], list[float | None]]:
+    """One layer's gates (B, T, G, C) as :func:`analyze_gates` judges them: per head, the share of elements at the
+    most frequent bound, and that bound where the head is saturated under ``gate_fn``'s rule, else None."""
+    bounds = gate_bounds(gate_fn, gates.shape[-2])
+    _, _, share, which, _ = _layer_stats(gates.float(), bounds, bound_tol)
+    need = required_share(gate_fn, saturation_share, dead_share)
+    return share.tolist(), _saturated_at(share.tolist(), which.tolist(), bounds, need)
+
+
+def _saturated_at(share: list[float], which: list[int], bounds: tuple[float, ...],
+                  need: float | None) -> list[float | None]:
+    return [bounds[w] if need is not None and s >= need else None for s, w in zip(share, which, strict=True)]
 
 
 METRIC_PREFIX = "val/gates"
@@ -83,6 +121,7 @@ class GateReport:
     categories: dict[str, CategoryTable] = field(default_factory=dict)
     settings: dict[str, float] = field(default_factory=dict)
     label: str = "SATFormer"  # the architecture's display name
+    rule: str = "pinned"  # the gate function's saturation rule: pinned, dead or never (see the module docstring)
 
     @property
     def saturated(self) -> np.ndarray:
@@ -117,6 +156,7 @@ class GateReport:
             "channels": self.channels,
             "n_tokens": self.n_tokens,
             "bounds": list(self.bounds),
+            "rule": self.rule,
             "settings": self.settings,
             "mean": self.mean.tolist(),
             "sparsity": self.sparsity.tolist(),
@@ -133,11 +173,13 @@ class GateReport:
 
 
 def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None = None, gate_fn: str | None = None,
-                  bound_tol: float = 1e-3, saturation_share: float = 0.99) -> GateReport | None:
+                  bound_tol: float = 1e-3, saturation_share: float = 0.99,
+                  dead_share: float = 1.0) -> GateReport | None:
     """Gate statistics of ``model`` on token ids ``idx`` (B, T) or (T,), from one forward pass in eval mode.
 
     ``gate_fn`` and the granularity default to the model's ``cfg.satformer``. Returns None when no layer produces a
-    gate (every architecture but SATFormer). The model's training mode is restored afterwards.
+    gate (every architecture but SATFormer). The model's training mode is restored afterwards. ``bound_tol``,
+    ``saturation_share`` (bounded gates) and ``dead_share`` (relu) define saturation: see the module docstring.
     """
     idx = idx.unsqueeze(0) if idx.dim() == 1 else idx
     device = next(model.parameters()).device
@@ -159,7 +201,8 @@ def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None
     bounds = gate_bounds(gate_fn, heads)
     stats = [_layer_stats(gates[i].float(), bounds, bound_tol) for i in layers]
     mean, sparsity, share, which, token_gate = (torch.stack(s).cpu() for s in zip(*stats, strict=True))
-    saturated_at = [[bounds[w] if s >= saturation_share else None for s, w in zip(s_row, w_row, strict=True)]
+    need = required_share(gate_fn, saturation_share, dead_share)
+    saturated_at = [_saturated_at(s_row, w_row, bounds, need)
                     for s_row, w_row in zip(share.tolist(), which.tolist(), strict=True)]
     return GateReport(
         label=architecture.label if architecture is not None else "SATFormer",
@@ -176,7 +219,8 @@ def analyze_gates(model: nn.Module, idx: Tensor, tokenizer: TextTokenizer | None
         saturated_at=saturated_at,
         dead=(sparsity >= saturation_share).numpy(),
         categories=category_tables(token_gate, idx.cpu(), tokenizer),
-        settings={"bound_tol": bound_tol, "saturation_share": saturation_share},
+        settings={"bound_tol": bound_tol, "saturation_share": saturation_share, "dead_share": dead_share},
+        rule=saturation_rule(gate_fn),
     )
 
 

@@ -201,6 +201,31 @@ def plot_layer_means(layers: list[int], history: list[tuple[int, list[float]]], 
     return fig
 
 
+def plot_saturation(layers: list[int], history: list[dict], label: str, rule: str = "") -> Figure:
+    """The share of saturated heads of every gated layer (rows) at every analysis (columns, by training step), from
+    the saturation history (``{"step", "saturated": [gated layer][head]}`` per analysis): when saturation sets in,
+    and where. Annotated while the grid is small."""
+    steps = [entry["step"] for entry in history]
+    values = np.array([np.asarray(entry["saturated"], dtype=float).mean(axis=1) for entry in history]).T
+    values = values.reshape(len(layers), len(steps))
+    fig = Figure(figsize=(min(7.5, 2.5 + 0.5 * len(steps)), 1.4 + 0.4 * len(layers)), layout="constrained")
+    ax = fig.add_subplot()
+    cmap = colormaps["Reds"]
+    norm = Normalize(0.0, 1.0)
+    image = ax.imshow(values, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="saturated heads")
+    if values.size <= ANNOTATE_MAX_CELLS:
+        for (r, c), v in np.ndenumerate(values):
+            _text(ax, r, c, f"{v:.0%}", cmap(norm(v)))
+    ticks = list(range(0, len(steps), max(1, -(-len(steps) // 12))))
+    ax.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_xlabel("training step (one column per analysis)")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{label}: saturated heads per layer" + (f" (rule: {rule})" if rule else ""), fontsize=10)
+    return fig
+
+
 def gate_figures(report: GateReport | None, model: nn.Module) -> dict[str, Figure]:
     """Every figure for one model, keyed by artifact path: ``heatmap``, ``categories`` and ``value_access`` when
     available, and ``mixing/<family>`` for its static mixing weights."""

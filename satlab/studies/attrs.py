@@ -8,13 +8,16 @@ ARCH = "arch"  # the trial's model.arch
 VALUE = "objective_value"  # the objective a trial process computed (the driver returns it to Optuna)
 SATURATION = "saturated_frac"  # the last val/gates/saturated_frac measured (absent for models without gates)
 TOKENS = "tokens_seen"  # tokens seen at the last validation
+WOULD_PRUNE_AT = "guard_would_prune_at"  # observe-mode saturation guard: tokens seen when it would have pruned
+WOULD_PRUNE_REASON = "guard_would_prune_reason"  # and why (``gate_saturation: ...``); the trial trained on
 RUN_ID = "mlflow_run_id"
 PID = "pid"
 LOG = "log_file"
 RETRY_OF = "retry_of"
 WORKER = "worker"  # host:pid of the driver running the trial, so a driver on the same host can see it died
 IGNORED = "ignored"  # why a grid trial does not count for its cell: another worker had the cell
-ATTEMPT_ATTRS = (REASON, VALUE, SATURATION, TOKENS, RUN_ID, PID, LOG, WORKER, IGNORED)
+ATTEMPT_ATTRS = (REASON, VALUE, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON, RUN_ID, PID, LOG, WORKER,
+                 IGNORED)
 """Attributes of one attempt: a retried trial inherits the stale one's user attrs and must not keep these."""
 
 PARENT_RUN = "mlflow_parent_run_id"  # study user attributes

@@ -16,7 +16,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from satlab.evaluation.callback import EvaluationCallback
 from satlab.evaluation.gates import METRIC_PREFIX
-from satlab.studies.attrs import RUN_ID, SATURATION, TOKENS
+from satlab.studies.attrs import RUN_ID, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
+from satlab.studies.runs import WOULD_PRUNE_REASON_TAG, WOULD_PRUNE_TAG
 from satlab.studies.spec import SaturationGuard
 
 SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"
@@ -34,7 +35,11 @@ class TrialStopped(Exception):
 
 class TrialCallback(L.Callback):
     """Stops the run when the pruner says so (``pruned``), when the saturation guard trips (``gate_saturation``) or
-    a loss is NaN/Inf (``nan``). ``last_metrics``: the latest validation's scalars. ``trial``: None off rank 0."""
+    a loss is NaN/Inf (``nan``). ``last_metrics``: the latest validation's scalars. ``trial``: None off rank 0.
+
+    An observing guard (``guard.action == "observe"``) stops nothing: the first time it would have pruned, rank 0
+    records ``would_prune`` (tokens seen, reason) as the trial's user attributes and as tags of the trial's MLflow
+    run, and the trial trains on."""
 
     def __init__(self, trial: optuna.Trial | None, guard: SaturationGuard, gates: EvaluationCallback,
                  metric: str = "val/loss"):
@@ -42,6 +47,8 @@ class TrialCallback(L.Callback):
         self.last_metrics: dict[str, float] = {}
         self._streak = 0
         self._run_recorded = False
+        self.would_prune: tuple[int, str] | None = None  # (tokens seen, reason) of an observing guard's first trip
+        self._would_prune_tagged = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.trial is not None and not self._run_recorded and trainer.logger is not None:
@@ -67,6 +74,8 @@ class TrialCallback(L.Callback):
             return  # the validations before and after fit() are not steps of the trial
         saturation = self.gates.last_gate_scalars.get(SATURATION_METRIC)  # this validation's, on fixed windows
         decision = self._decide(int(pl_module.tokens_seen), saturation) if trainer.is_global_zero else None
+        if self.would_prune is not None and not self._would_prune_tagged:
+            self._tag_would_prune(trainer)
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is not None:
             raise TrialStopped(*decision)
@@ -86,8 +95,23 @@ class TrialCallback(L.Callback):
             above = self.guard.threshold is not None and saturation > self.guard.threshold
             self._streak = self._streak + 1 if above else 0
             if self._streak >= self.guard.patience:
-                return ("gate_saturation", True, f"{saturation:.0%} of gates saturated for {self._streak} "
-                        f"validations (threshold {self.guard.threshold:.0%})")
+                detail = (f"{saturation:.0%} of gates saturated for {self._streak} validations "
+                          f"(threshold {self.guard.threshold:.0%})")
+                if self.guard.action != "observe":
+                    return "gate_saturation", True, detail
+                if self.would_prune is None:  # the first time only: when the guard would have stopped the trial
+                    self.would_prune = (tokens, f"gate_saturation: {detail} at {tokens:,} tokens")
+                    self.trial.set_user_attr(WOULD_PRUNE_AT, tokens)
+                    self.trial.set_user_attr(WOULD_PRUNE_REASON, self.would_prune[1])
         if value is not None and self.trial.should_prune():
             return "pruned", True, f"{self.metric} = {value:.4f} at {tokens:,} tokens"
         return None
+
+    def _tag_would_prune(self, trainer: L.Trainer) -> None:
+        """The observing guard's would-be prune as tags of the trial's MLflow run, beside its loss curves."""
+        self._would_prune_tagged = True
+        logger = getattr(trainer, "logger", None)
+        if self.would_prune is not None and getattr(logger, "run_id", None):
+            tokens, reason = self.would_prune
+            logger.experiment.set_tag(logger.run_id, WOULD_PRUNE_TAG, str(tokens))
+            logger.experiment.set_tag(logger.run_id, WOULD_PRUNE_REASON_TAG, reason[:5000])

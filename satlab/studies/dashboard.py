@@ -19,6 +19,7 @@ import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from satlab.studies.attrs import WOULD_PRUNE_AT, WOULD_PRUNE_REASON
 from satlab.studies.best import best_trial
 from satlab.studies.plans import CONSTRAINT, FEASIBLE
 from satlab.studies.spec import SweepSpec
@@ -59,7 +60,13 @@ def study_note(spec: SweepSpec) -> str:
         lines.append("* **Pruning**: Hyperband, its resources in tokens.")
     lines.append("* **Architecture**: the `arch` user attribute of each trial (and the `model.arch` parameter when it "
                  "is searched).")
-    if guard.threshold is not None and guard.constraint:
+    if guard.threshold is not None and guard.action == "observe":
+        lines.append(f"* **Saturation guard (observing)**: it prunes nothing and records no constraint (every "
+                     f"completed trial is feasible); a trial whose gates were more than {guard.threshold:.0%} "
+                     f"saturated for {guard.patience} validations in a row has the user attribute "
+                     f"`{WOULD_PRUNE_AT}` (tokens seen when the guard would have pruned it) and "
+                     f"`{WOULD_PRUNE_REASON}`.")
+    elif guard.threshold is not None and guard.constraint:
         lines.append(f"* **Infeasible**: a trial whose last validation had more than {guard.threshold:.0%} of its "
                      f"gates saturated (user attribute `saturated_frac`) breaks the `{CONSTRAINT}` constraint: "
                      f"grey / \"Infeasible\" in the plots, `{FEASIBLE}` False among its user attributes, never the "

@@ -134,9 +134,10 @@ class SearchPlan:
         ``constraints:<name>``, which optuna-dashboard 0.21 does not read: it reads the list under ``constraints``
         (Optuna's older format, which Optuna still reads too), so the value is recorded both ways. Optuna then sees
         the value twice; feasibility and TPE's ranking of infeasible trials (by their summed violation) are the
-        same."""
+        same. An observing guard (``action: observe``) records none: its trials stay feasible, so that the sweep's
+        best trial is the one without the guard and the guard's would-be decisions can be judged against it."""
         guard = self.spec.saturation
-        if guard.threshold is None or not guard.constraint:
+        if guard.threshold is None or not guard.constraint or guard.action == "observe":
             return
         value = float(saturation or 0.0) - guard.threshold
         trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [value])

@@ -32,6 +32,8 @@ CELL_TAG = "satlab.ablation.cell"
 GROUP_TAG = "satlab.ablation.group"
 FINGERPRINT_TAG = "satlab.ablation.fingerprint"
 REASON_TAG = "sweep.reason"
+WOULD_PRUNE_TAG = "guard.would_prune_at"  # an observing saturation guard's would-be prune: tokens seen, and why
+WOULD_PRUNE_REASON_TAG = "guard.would_prune_reason"
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
 

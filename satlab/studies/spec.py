@@ -129,12 +129,16 @@ class PrunerSpec:
 @dataclass
 class SaturationGuard:
     """Prune a trial whose ``val/gates/saturated_frac`` stays above ``threshold`` for ``patience`` validations;
-    ``constraint`` also tells the sampler; ``threshold: null`` turns the guard off."""
+    ``constraint`` also tells the sampler; ``threshold: null`` turns the guard off. ``action: observe`` prunes
+    nothing: the trial records when it would have been pruned (user attributes ``guard_would_prune_at``,
+    ``guard_would_prune_reason``; MLflow tag ``guard.would_prune_at``) and trains on, and no constraint is recorded
+    whatever ``constraint`` says, so that what the guard would exclude can be measured against the loss."""
 
     threshold: float | None = field(default=0.5, metadata=_range(0, 1))
     patience: int = field(default=2, metadata=_range(1, 10**6))
     windows: int = field(default=8, metadata=_range(1, 10**5))
     constraint: bool = True
+    action: str = field(default="prune", metadata={"choices": ("prune", "observe")})
 
 
 @dataclass

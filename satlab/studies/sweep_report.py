@@ -15,6 +15,11 @@ numeric parameter (``best_lr``), ``n_complete`` / ``n_pruned`` / ``n_failed`` an
 infeasible) as metrics at step = trials finished in the study; the best trial's number and parameters as tags
 (``variants/<arch>/best_trial``, ``variants/<arch>/best/optim.lr``; tags, not params: MLflow refuses to change a param
 when a re-run finds a better trial), and ``sweep.best_trial``, ``sweep.best_arch`` overall.
+
+With an observing saturation guard (``saturation.action: observe``; or when any trial recorded one) the trial table
+has a ``would_prune_at`` column beside the objective (tokens seen when the guard would have pruned the trial), the
+summary names the trials it would have pruned with their objective (and says so of a best trial), the plot rings
+them in red, and the parent run gets ``variants/<arch>/n_would_prune``.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from rich.table import Table
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.specs import nest
-from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS
+from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
 from satlab.studies.best import best_trial, is_feasible
 from satlab.studies.parent_results import GROUP_SECTION, record_results
 from satlab.studies.spec import SweepSpec, format_value
@@ -54,8 +59,10 @@ BEST_TAG = "sweep.best_"  # sweep.best_trial, sweep.best_arch
 
 def trial_rows(study: optuna.Study, spec: SweepSpec, base_arch: str) -> list[dict[str, Any]]:
     """One dict per trial: its outcome, architecture, parameters, objective, last reported value, tokens, saturated
-    gate fraction, minutes, retry origin and MLflow run id."""
+    gate fraction, minutes, retry origin and MLflow run id; ``would_prune_at`` after the objective when the guard
+    observes (:func:`observing`)."""
     trials = study.get_trials(deepcopy=False)
+    observed = observing(trials, spec)
     names = [n for n in spec.space if n != "model.arch"]
     names += sorted({n for t in trials for n in t.params} - set(names) - {"model.arch"})
     rows = []
@@ -64,12 +71,24 @@ def trial_rows(study: optuna.Study, spec: SweepSpec, base_arch: str) -> list[dic
         rows.append({"trial": t.number, "state": t.state.name, "reason": reason_of(t, spec),
                      "arch": arch_of(t, base_arch), **{name: t.params.get(name) for name in names},
                      spec.objective.metric: t.value if t.state == TrialState.COMPLETE else None,
+                     **({"would_prune_at": would_prune_at(t)} if observed else {}),
                      "last_reported": steps[-1][1] if steps else None,
                      "tokens_seen": t.user_attrs.get(TOKENS) or (steps[-1][0] if steps else None),
                      "saturated_frac": t.user_attrs.get(SATURATION),
                      "minutes": round(t.duration.total_seconds() / 60, 2) if t.duration else None,
                      "retry_of": t.user_attrs.get(RETRY_OF), "mlflow_run_id": t.user_attrs.get(RUN_ID)})
     return rows
+
+
+def would_prune_at(trial: FrozenTrial) -> int | None:
+    """Tokens seen when an observing saturation guard would have pruned ``trial``; None when it would not have."""
+    return trial.user_attrs.get(WOULD_PRUNE_AT)
+
+
+def observing(trials: Iterable[FrozenTrial], spec: SweepSpec) -> bool:
+    """Whether the report shows the observing guard's would-be prunes: the spec's guard observes, or a trial has
+    one (the spec may have changed since)."""
+    return spec.saturation.action == "observe" or any(would_prune_at(t) is not None for t in trials)
 
 
 def reason_of(trial: FrozenTrial, spec: SweepSpec) -> str:
@@ -179,6 +198,7 @@ def parent_results(study: optuna.Study, spec: SweepSpec, base_arch: str) -> tupl
     objective_key = f"best_{spec.objective.metric.replace('/', '_')}"
     metrics: dict[str, float] = {}
     tags: dict[str, str] = {}
+    observed = observing(trials, spec)
     for arch, group in by_arch(trials, base_arch).items():
         prefix = f"{GROUP_SECTION}/{arch}/"
         complete = [t for t in group if t.state == TrialState.COMPLETE]
@@ -186,6 +206,8 @@ def parent_results(study: optuna.Study, spec: SweepSpec, base_arch: str) -> tupl
                         f"{prefix}n_pruned": sum(t.state == TrialState.PRUNED for t in group),
                         f"{prefix}n_failed": sum(t.state == TrialState.FAIL for t in group),
                         f"{prefix}n_infeasible": sum(not is_feasible(t) for t in complete)})
+        if observed:
+            metrics[f"{prefix}n_would_prune"] = sum(would_prune_at(t) is not None for t in group)
         best = best_trial(group, spec.objective.direction)
         if best is None:
             continue
@@ -206,7 +228,8 @@ def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec
     if not console.is_terminal and console.width < 160:
         console.width = 160
     columns = [c for c in rows[0] if c not in ("mlflow_run_id", "retry_of")] if rows else []
-    short = {"saturated_frac": "sat", "tokens_seen": "tokens", "last_reported": "last", "minutes": "min"}
+    short = {"saturated_frac": "sat", "tokens_seen": "tokens", "last_reported": "last", "minutes": "min",
+             "would_prune_at": "would prune at"}
     table = Table(title=f"sweep '{spec.name}': {len(rows)} trials")
     for column in columns:
         name = short.get(column, column if column == spec.objective.metric else column.rsplit(".", 1)[-1])
@@ -221,6 +244,8 @@ def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec
         params = ", ".join(f"{k}={_cell(v)}" for k, v in trial.params.items() if k != "model.arch")
         feasible = "" if is_feasible(trial) else \
             f" — {infeasible_reason(trial, spec)}; no completed{f' {arch}' if arch else ''} trial is feasible"
+        if (tokens := would_prune_at(trial)) is not None:
+            feasible += f" — the saturation guard would have pruned it at {tokens:,} tokens"
         console.print(f"best{f' {arch}' if arch else ''}: trial {trial.number}, {spec.objective.metric} "
                       f"{trial.value:.4f} ({params}){feasible}", soft_wrap=True)
         for other in passed_over(groups.get(arch, []) if arch else trials or [], trial, spec.objective.direction):
@@ -229,9 +254,25 @@ def print_summary(rows: list[dict[str, Any]], best: dict[str, FrozenTrial], spec
                 console.print(f"  trial {other.number} ({arch_of(other, base_arch)}) has a better "
                               f"{spec.objective.metric}, {other.value:.4f}, but is {infeasible_reason(other, spec)}",
                               soft_wrap=True)
+    print_would_prune(trials or [], spec, console, base_arch)
     for note in notes:
         console.print(f"[dim]{note}[/]", soft_wrap=True)
     console.print(f"report: {out}", soft_wrap=True)
+
+
+def print_would_prune(trials: list[FrozenTrial], spec: SweepSpec, console: Console, base_arch: str) -> None:
+    """With an observing guard: each trial it would have pruned, when and why, beside its outcome and objective."""
+    if not observing(trials, spec):
+        return
+    flagged = [t for t in trials if would_prune_at(t) is not None]
+    finished = sum(t.state in FINISHED for t in trials)
+    console.print(f"saturation guard (observing, not pruning): would have pruned {len(flagged)} of {finished} "
+                  f"finished trials", soft_wrap=True)
+    for t in flagged:
+        outcome = f"{spec.objective.metric} {t.value:.4f}" if t.state == TrialState.COMPLETE and t.value is not None \
+            else t.state.name.lower()
+        console.print(f"  trial {t.number} ({arch_of(t, base_arch)}): at {would_prune_at(t):,} tokens, {outcome}; "
+                      f"{t.user_attrs.get(WOULD_PRUNE_REASON) or 'gate_saturation'}", soft_wrap=True)
 
 
 def write_plots(study: optuna.Study, spec: SweepSpec, rows: list[dict[str, Any]],
@@ -274,7 +315,8 @@ def write_plots(study: optuna.Study, spec: SweepSpec, rows: list[dict[str, Any]]
 
 def plot_param_vs_objective(rows: list[dict[str, Any]], spec: SweepSpec, param: str, path: Path) -> Path | None:
     """One panel per architecture: ``param`` against the objective of completed trials (dots) and the last reported
-    value of pruned ones (crosses), coloured by saturated gate fraction (grey: the architecture has no gates)."""
+    value of pruned ones (crosses), coloured by saturated gate fraction (grey: the architecture has no gates); the
+    trials an observing saturation guard would have pruned ringed in red."""
     metric = spec.objective.metric
     points = [r for r in rows if r.get(param) is not None
               and (r[metric] is not None or (r["state"] == "PRUNED" and r["last_reported"] is not None))]
@@ -291,6 +333,10 @@ def plot_param_vs_objective(rows: list[dict[str, Any]], spec: SweepSpec, param: 
                                                         for r in chosen], marker=marker, s=45, label=label,
                            c=["0.6" if r["saturated_frac"] is None else colormap(float(r["saturated_frac"]))
                               for r in chosen])
+        if flagged := [r for r in points if r["arch"] == arch and r.get("would_prune_at") is not None]:
+            ax.scatter([r[param] for r in flagged], [r[metric] if r["state"] == "COMPLETE" else r["last_reported"]
+                                                     for r in flagged], marker="o", s=160, facecolors="none",
+                       edgecolors="red", linewidths=1.5, label="guard would prune")
         if spec.space[param].log:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())
