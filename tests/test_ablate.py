@@ -316,6 +316,10 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     assert after[redo] != runs[redo] and {k: v for k, v in after.items() if k != redo} == \
         {k: v for k, v in runs.items() if k != redo}
     assert StudyState(spec.out_path() / STATE_FILE).cells[adopted]["status"] == "finished"
+    grown = load_ablation(write_micro_spec(tmp_path), ["axes.train.seed=[0, 1, 2]"])  # Optuna's choices change
+    fourth = run_study(grown, workers=2, report=False)
+    assert sorted(fourth.finished) == sorted(c.key for c in grown.cells() if c.seed == 2)
+    assert sorted(fourth.skipped) == sorted(after) and fourth.parent_run_id == result.parent_run_id
 
     heatmap = tmp_path / "heatmap.png"
     plt.imsave(heatmap, np.random.default_rng(0).random((10, 10)))

@@ -23,14 +23,14 @@ from satlab.config.errors import ConfigError
 from satlab.evaluation.callback import EvaluationCallback
 from satlab.evaluation.gates import analyze_gates, gate_bounds, head_saturation
 from satlab.models.gate_functions import GATE_FUNCTIONS, GateFunction
-from satlab.studies.attrs import SATURATION, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
+from satlab.studies.attrs import RUN_ID, SATURATION, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
 from satlab.studies.best import is_feasible
 from satlab.studies.callbacks import TrialCallback, TrialStopped
 from satlab.studies.loader import load_sweep
 from satlab.studies.plans import SearchPlan
-from satlab.studies.runs import WOULD_PRUNE_REASON_TAG, WOULD_PRUNE_TAG
+from satlab.studies.runs import STOPPED_TAG, WOULD_PRUNE_REASON_TAG, WOULD_PRUNE_TAG
 from satlab.studies.spec import SaturationGuard
-from satlab.studies.sweep_report import parent_results, write_report
+from satlab.studies.sweep_report import parent_results, saturation_figure, write_report
 
 RULES = {"relu": "dead", "sigmoid": "pinned", "2sigmoid": "pinned", "tanh": "pinned", "softmax": "pinned",
          "softmax_sigmoid": "pinned", "identity": "never"}
@@ -134,11 +134,12 @@ class Recorder:
         pass
 
 
-def analyse(callback: EvaluationCallback, gates: torch.Tensor, step: int, recorder: Recorder) -> None:
+def analyse(callback: EvaluationCallback, gates: torch.Tensor, step: int, recorder: Recorder,
+            artifacts: bool = True) -> None:
     callback._gate_batch = torch.zeros(gates.shape[:2], dtype=torch.long)
     trainer = SimpleNamespace(global_step=step, is_global_zero=True, logger=recorder,
                               datamodule=SimpleNamespace(tokenizer=None))
-    callback._gates(trainer, SimpleNamespace(model=HandGates(gates), device=torch.device("cpu")), artifacts=True)
+    callback._gates(trainer, SimpleNamespace(model=HandGates(gates), device=torch.device("cpu")), artifacts=artifacts)
 
 
 def test_the_saturation_history_is_logged_and_survives_a_resume():
@@ -168,6 +169,9 @@ def test_the_saturation_history_is_logged_and_survives_a_resume():
     analyse(resumed, sparse, 12, recorder)
     assert [e["step"] for e in recorder.dicts["gates/saturation_history.json"]["history"]] == [4, 8, 12]
     assert recorder.figures["gates/saturation.png"].axes[0].images[0].get_array().shape == (1, 3)
+    analyse(resumed, dead, 16, recorder, artifacts=False)  # a validation between the periodic evaluations:
+    assert [e["step"] for e in recorder.dicts["gates/saturation_history.json"]["history"]] == [4, 8, 12, 16]
+    assert recorder.figures["gates/saturation.png"].axes[0].images[0].get_array().shape == (1, 3)  # no figure
     old = EvaluationCallback(SimpleNamespace())
     old.load_state_dict({"layer_history": [(4, [0.1])]})  # a checkpoint from before the history
     assert old.saturation_history == []
@@ -198,14 +202,26 @@ def test_a_pruning_guard_stops_a_trial_whose_gates_are_pinned():
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
     trial = study.ask()
     gates = SimpleNamespace(last_gate_scalars={})
-    callback = TrialCallback(trial, SaturationGuard(threshold=0.5, patience=2), gates)
+    callback = TrialCallback(trial, SaturationGuard(threshold=0.5, patience=2, action="prune"), gates)
     recorder = Recorder()
     trainer = fake_trainer(recorder)
     validate(callback, gates, trainer, [pinned_scalars()], [4.0])  # one validation: the streak is 1 of 2
     with pytest.raises(TrialStopped) as stopped:
         validate(callback, gates, trainer, [pinned_scalars()], [3.9], first=2)
     assert stopped.value.reason == "gate_saturation" and stopped.value.pruned
-    assert WOULD_PRUNE_AT not in study.trials[0].user_attrs and recorder.tags == {}
+    assert WOULD_PRUNE_AT not in study.trials[0].user_attrs
+    assert list(recorder.tags) == [STOPPED_TAG] and recorder.tags[STOPPED_TAG].startswith("gate_saturation: 100%")
+
+
+def test_a_diverged_trial_says_so_on_its_mlflow_run():
+    recorder = Recorder()
+    callback = TrialCallback(None, SaturationGuard(threshold=None), SimpleNamespace(last_gate_scalars={}))
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, logger=recorder)
+    with pytest.raises(TrialStopped) as stopped:
+        callback.on_train_batch_end(trainer, SimpleNamespace(tokens_seen=1024, skipped_steps=0),
+                                    {"loss": torch.tensor(float("nan"))}, None, 0)
+    assert stopped.value.reason == "nan"
+    assert recorder.tags[STOPPED_TAG] == "nan: training loss nan at 1,024 tokens"
 
 
 def test_an_observing_guard_records_the_would_be_prune_and_the_trial_trains_on():
@@ -260,7 +276,7 @@ def test_an_observed_sweep_keeps_the_trial_feasible_and_its_report_shows_the_wou
     metrics, _ = parent_results(study, spec, "satformer")
     assert metrics["variants/satformer/n_would_prune"] == 1 and metrics["variants/transformer/n_would_prune"] == 0
 
-    pruning = SearchPlan(load_sweep("lr_tiny", [f"out_dir={tmp_path}"]), "satformer", 1)  # the constraint as before
+    pruning = SearchPlan(load_sweep("lr_tiny", [f"out_dir={tmp_path}", "saturation.action=prune"]), "satformer", 1)
     other = optuna.create_study()
     trial = other.ask()
     pruning.record_constraint(trial, 0.9)
@@ -271,3 +287,44 @@ def test_an_observed_sweep_keeps_the_trial_feasible_and_its_report_shows_the_wou
 def test_the_guard_action_is_checked_like_the_other_fields():
     with pytest.raises(ConfigError, match="stop"):
         load_sweep("lr_tiny", ["saturation.action=stop"])
+
+
+class CurveStore:
+    """The two MLflow calls the sweep report's saturation figure makes, over hand-made runs."""
+
+    def __init__(self, curves: dict[str, list[float]]):
+        self.curves = curves
+
+    def get_run(self, run_id):
+        return SimpleNamespace(data=SimpleNamespace(params={"derived.tokens_per_step": "1024"}))
+
+    def get_metric_history(self, run_id, key):
+        assert key == "val/gates/saturated_frac"
+        before = [SimpleNamespace(step=0, value=0.0)]  # the check before training
+        inside = [SimpleNamespace(step=8 * i, value=v) for i, v in enumerate(self.curves[run_id], start=1)]
+        after = inside[-1:]  # the validation after training, at the same step
+        return before + inside + after if inside else []
+
+
+def test_the_sweep_report_draws_each_trials_saturation_curve_and_the_would_be_prune(tmp_path):
+    spec = load_sweep("lr_tiny", [f"out_dir={tmp_path}", "saturation.action=observe"])
+    study = optuna.create_study()
+    for number, would in enumerate((3 * 8192, None)):
+        trial = study.ask()
+        for i in range(4):
+            trial.report(3.0 - 0.1 * i + number, step=(i + 1) * 8192)
+        trial.set_user_attr(RUN_ID, f"run{number}")
+        if would:
+            trial.set_user_attr(WOULD_PRUNE_AT, would)
+        study.tell(trial, 2.7 + number)
+    study.ask()  # a trial without a run yet: no curve
+    figure = saturation_figure(study, spec, CurveStore({"run0": [0.1, 0.9, 0.9, 0.9], "run1": [0.0, 0.0, 0.1, 0.0]}))
+    top, bottom = figure.axes
+    assert [list(line.get_xdata()) for line in top.lines] == [[8192, 16384, 24576, 32768]] * 2
+    curves = [line for line in bottom.lines if len(line.get_xdata()) == 4]
+    assert [list(line.get_ydata()) for line in curves] == [[0.1, 0.9, 0.9, 0.9], [0.0, 0.0, 0.1, 0.0]]
+    assert [list(line.get_xdata()) for line in curves][0] == [8192, 16384, 24576, 32768]  # 8 steps of 1,024 apart
+    rings = [c for c in bottom.collections if len(c.get_offsets())]
+    assert len(rings) == 1 and list(rings[0].get_offsets()[0]) == [3 * 8192, 0.9]  # only the would-be prune
+    assert any(line.get_ydata()[0] == 0.5 for line in bottom.lines)  # the guard's threshold
+    assert saturation_figure(study, spec, CurveStore({"run0": [], "run1": []})) is None  # no gated trial

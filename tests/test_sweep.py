@@ -41,7 +41,7 @@ def write_spec(folder: Path, name: str = "micro", fixed: dict | None = None, **s
                       "tracking.uri": f"sqlite:///{folder / 'mlruns' / 'mlflow.db'}"},
         "space": {"model.arch": {"choices": ["transformer", "satformer"]},
                   "optim.lr": {"low": 1e-4, "high": 10, "log": True}},
-        "n_trials": 3, "pruner": {"name": "none"}, "saturation": {"threshold": 0.0, "patience": 1},
+        "n_trials": 3, "pruner": {"name": "none"}, "saturation": {"threshold": 0.0, "patience": 1, "action": "prune"},
         "out_dir": str(folder / "study"), **sections,
     }
     path = folder / f"{name}.yaml"

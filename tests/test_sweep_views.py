@@ -54,7 +54,7 @@ def run_trial(study: optuna.Study, plan: SearchPlan, params: dict, value: float,
 
 
 def make_study(folder: Path, spec_file: str | Path = "lr_tiny", trials=TRIALS) -> tuple[optuna.Study, SearchPlan, str]:
-    spec = load_sweep(spec_file, [f"out_dir={folder}"])
+    spec = load_sweep(spec_file, [f"out_dir={folder}", "saturation.action=prune"])  # infeasible trials to show
     plan = SearchPlan(spec, spec.base_config().model.arch, len(trials))
     url = f"sqlite:///{folder / 'optuna.db'}"
     study, _ = open_study(spec, plan, open_storage(url))

@@ -1,7 +1,7 @@
 """Evaluation inside a training run: gate statistics at every validation; the lm-eval suite, the gate heatmaps and
 the mixing-weight plots at the end (and every ``eval.every_tokens``), all in the run's own MLflow run. The figures
-over time, ``gates/layer_means.png`` and ``gates/saturation.png`` (saturated heads per layer at every analysis, its
-data in ``gates/saturation_history.json``), are replaced at each of those."""
+over time, ``gates/layer_means.png`` and ``gates/saturation.png`` (saturated heads per layer at every analysis), are
+replaced at each of those; the saturation data, ``gates/saturation_history.json``, at every validation."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ class EvaluationCallback(L.Callback):
                 client.log_figure(run_id, figure, "gates/layer_means.png", save_kwargs={"dpi": 120})
                 figure = plot_saturation(report.layers, self.saturation_history, report.label, report.rule)
                 client.log_figure(run_id, figure, "gates/saturation.png", save_kwargs={"dpi": 120})
-                client.log_dict(run_id, self.saturation_json(report), "gates/saturation_history.json")
         elif report is not None:
             trainer.logger.log_metrics(report.scalars(), step=trainer.global_step)
+        if report is not None:  # at every analysis (a few kB): what a saturation study replays its guard on
+            client.log_dict(run_id, self.saturation_json(report), "gates/saturation_history.json")
 
     def _suite(self, trainer, pl_module) -> None:
         if trainer.world_size > 1:

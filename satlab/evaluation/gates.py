@@ -85,6 +85,7 @@ def _saturated_at(share: list[float], which: list[int], bounds: tuple[float, ...
 
 
 METRIC_PREFIX = "val/gates"
+SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"  # what the saturation guard watches
 """Gate statistics are measured on fixed validation windows, and MLflow orders a run's chart sections by name:
 under ``val/`` they follow the loss curves instead of preceding them."""
 

@@ -40,6 +40,7 @@ from satlab.studies.results import (
     download_heatmap,
     measures_for,
 )
+from satlab.studies.saturation_study import saturation_section
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import (
     Verdict,
@@ -237,13 +238,16 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     orders = loss_orders(groups) if measures is not RECALL_MEASURES else {}
     budgets = budget_comparison(spec, client, orders) if spec.compare_with and orders else None
     files = write_figures(spec, client, groups, labels, measures, out)
+    saturation_lines, saturation = [], None
+    if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
+        saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
-                           matched, orders, budgets)
+                           matched, orders, budgets, saturation_lines)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
-               "budget_comparison": budgets,
+               "budget_comparison": budgets, "saturation": saturation,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -281,7 +285,7 @@ def print_results(console: Console, spec: AblationSpec, rows: list[list[str]], v
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
                     measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
-                    budgets: dict[str, dict] | None) -> str:
+                    budgets: dict[str, dict] | None, saturation: Sequence[str] = ()) -> str:
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
@@ -346,6 +350,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
     lines += ["## Learning curves", "", *curve_lines(files, measures), "", "## Gate heatmaps", "",
               "![gate heatmaps](gate_heatmaps.png)" if "gate_heatmaps" in files else
               "No cell logged a gate heatmap (no gated architecture, or gate analysis not run).", ""]
+    lines += saturation
     headline = measures.columns[0]
     lines += ["## Runs", "", f"| cell | run | {headline.header} |", "|---|---|---|"]
     results = {c.cell.key: c for g in groups for c in g.cells}

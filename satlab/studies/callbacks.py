@@ -15,12 +15,10 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from satlab.evaluation.callback import EvaluationCallback
-from satlab.evaluation.gates import METRIC_PREFIX
+from satlab.evaluation.gates import SATURATION_METRIC
 from satlab.studies.attrs import RUN_ID, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
-from satlab.studies.runs import WOULD_PRUNE_REASON_TAG, WOULD_PRUNE_TAG
+from satlab.studies.runs import STOPPED_TAG, WOULD_PRUNE_REASON_TAG, WOULD_PRUNE_TAG
 from satlab.studies.spec import SaturationGuard
-
-SATURATION_METRIC = f"{METRIC_PREFIX}/saturated_frac"
 
 
 class TrialStopped(Exception):
@@ -62,9 +60,9 @@ class TrialCallback(L.Callback):
         check is single-process only: ranks could see it at different micro-batches."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if trainer.world_size == 1 and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all():
-            raise TrialStopped("nan", detail=f"training loss {loss.item()} at {pl_module.tokens_seen:,} tokens")
+            self._stop(trainer, "nan", True, f"training loss {loss.item()} at {pl_module.tokens_seen:,} tokens")
         if getattr(pl_module, "skipped_steps", 0):
-            raise TrialStopped("nan", detail=f"a step with a non-finite loss or gradient was skipped at "
+            self._stop(trainer, "nan", True, f"a step with a non-finite loss or gradient was skipped at "
                                              f"{pl_module.tokens_seen:,} tokens")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -78,7 +76,15 @@ class TrialCallback(L.Callback):
             self._tag_would_prune(trainer)
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is not None:
-            raise TrialStopped(*decision)
+            self._stop(trainer, *decision)
+
+    def _stop(self, trainer: L.Trainer, reason: str, pruned: bool, detail: str) -> None:
+        """Raise :class:`TrialStopped`, with the reason as a tag of the trial's MLflow run (which ends FAILED): a
+        report read from MLflow tells a diverged or pruned trial from a crashed one."""
+        logger = getattr(trainer, "logger", None)
+        if trainer.is_global_zero and getattr(logger, "run_id", None):
+            logger.experiment.set_tag(logger.run_id, STOPPED_TAG, f"{reason}: {detail}"[:5000])
+        raise TrialStopped(reason, pruned, detail)
 
     def _decide(self, tokens: int, saturation: float | None) -> tuple[str, bool, str] | None:
         """(reason, pruned, detail) when the trial should stop now. Rank 0 only."""

@@ -24,7 +24,7 @@ from satlab.studies.callbacks import TrialCallback, TrialStopped
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.plans import make_pruner
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
-from satlab.studies.spec import KINDS, SaturationGuard, SweepSpec
+from satlab.studies.spec import KINDS, SweepSpec
 from satlab.studies.storage import open_storage
 from satlab.training.launch import pid_alive
 from satlab.training.run import train
@@ -74,7 +74,7 @@ def run_trial(experiment: str) -> int:
     if rank_zero:
         trial.set_user_attr(A.PID, os.getpid())
     metric = spec.objective.metric if search else "val/loss"
-    guard = spec.saturation if search else SaturationGuard(threshold=None)
+    guard = spec.saturation  # an ablation's only observes (AblationSpec.problems)
     # runs first: its gate statistics are logged, and guard the trial; a trial's log gets no progress bars
     evaluation = EvaluationCallback(cfg, progress=False)
     callback = TrialCallback(trial if rank_zero else None, guard, evaluation, metric)

@@ -3,6 +3,8 @@ enumerates its grid; everything else is the same engine (:mod:`satlab.studies.en
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,7 +158,11 @@ class GridPlan:
         self.colours = group_colours([c.group_values for c in cells], [c.group for c in cells])
 
     def study_name(self) -> str:
-        return f"{self.spec.name}.{self.spec.fingerprint()}"  # another budget or setting is another study
+        """Another budget or setting is another study. So is another grid: Optuna fixes a parameter's choices
+        within a study (a grown axis would be refused), and the new grid's study adopts the cells MLflow records as
+        finished (:func:`satlab.studies.engine.reconcile_cells`), so more seeds or values keep those."""
+        grid = hashlib.sha256(json.dumps(self.spec.axes, default=str).encode()).hexdigest()[:8]
+        return f"{self.spec.name}.{self.spec.fingerprint()}.{grid}"
 
     def sampler(self) -> optuna.samplers.BaseSampler:
         return CellGrid(self.spec)

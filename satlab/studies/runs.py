@@ -34,6 +34,7 @@ FINGERPRINT_TAG = "satlab.ablation.fingerprint"
 REASON_TAG = "sweep.reason"
 WOULD_PRUNE_TAG = "guard.would_prune_at"  # an observing saturation guard's would-be prune: tokens seen, and why
 WOULD_PRUNE_REASON_TAG = "guard.would_prune_reason"
+STOPPED_TAG = "trial.stopped"  # why a trial stopped before its budget (nan, pruned, gate_saturation): its run FAILED
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
 

@@ -46,6 +46,7 @@ from rich.table import Table
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.config.specs import nest
+from satlab.evaluation.gates import SATURATION_METRIC
 from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
 from satlab.studies.best import best_trial, is_feasible
 from satlab.studies.parent_results import GROUP_SECTION, record_results
@@ -176,6 +177,10 @@ def write_report(study: optuna.Study, spec: SweepSpec, base_arch: str, client: m
         files[path.name] = path
     plots, notes = write_plots(study, spec, rows, out)
     files.update(plots)
+    if client is not None and (figure := saturation_figure(study, spec, client)) is not None:
+        files["saturation_curves.png"] = out / "saturation_curves.png"
+        figure.savefig(files["saturation_curves.png"], dpi=120)
+        plt.close(figure)
     if client is not None and parent_run_id is not None:
         try:
             client.log_artifacts(parent_run_id, str(out), "report")
@@ -350,6 +355,54 @@ def plot_param_vs_objective(rows: list[dict[str, Any]], spec: SweepSpec, param: 
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path
+
+
+def saturation_curves(trial: FrozenTrial, client: mlflow.MlflowClient) -> list[tuple[float, float]]:
+    """(tokens seen, ``val/gates/saturated_frac``) at each validation of the trial's MLflow run; [] without one.
+    The gate analysis logs at the steps done (``trainer.global_step``; Lightning's ``val/loss`` is at the index of the
+    step before), so the one after training repeats the last one inside it; step 0 is the check before training."""
+    run_id = trial.user_attrs.get(RUN_ID)
+    if not run_id:
+        return []
+    try:
+        params = client.get_run(run_id).data.params
+        history = client.get_metric_history(run_id, SATURATION_METRIC)
+    except MlflowException:  # the run was deleted, or the store moved: the curve is left out
+        return []
+    per_step = float(params.get("derived.tokens_per_step") or 0)
+    return sorted({m.step * per_step: m.value for m in history if m.step > 0}.items())
+
+
+def saturation_figure(study: optuna.Study, spec: SweepSpec, client: mlflow.MlflowClient) -> plt.Figure | None:
+    """Each trial's objective (top) and saturated gate fraction (bottom) against tokens seen, in one colour per
+    trial, with the guard's threshold; a cross where the guard pruned the trial, a red ring where an observing guard
+    would have. None when no trial logged a saturation curve (no gated architecture)."""
+    curves = {t.number: (t, saturation_curves(t, client)) for t in study.get_trials(deepcopy=False)}
+    curves = {n: (t, c) for n, (t, c) in curves.items() if c}
+    if not curves:
+        return None
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
+    colours = plt.get_cmap("tab20")
+    for i, (number, (trial, curve)) in enumerate(sorted(curves.items())):
+        colour = colours(i % 20)
+        losses = sorted(trial.intermediate_values.items())
+        top.plot([t for t, _ in losses], [v for _, v in losses], color=colour, marker=".", label=f"trial {number}")
+        bottom.plot([t for t, _ in curve], [v for _, v in curve], color=colour, marker=".")
+        if trial.user_attrs.get(REASON) == "gate_saturation":
+            bottom.scatter([curve[-1][0]], [curve[-1][1]], marker="x", s=80, color=colour)
+        if (tokens := would_prune_at(trial)) is not None:
+            value = min(curve, key=lambda point: abs(point[0] - tokens))[1]
+            bottom.scatter([tokens], [value], s=160, facecolors="none", edgecolors="red", linewidths=1.5)
+    if spec.saturation.threshold is not None:
+        bottom.axhline(spec.saturation.threshold, color="red", linestyle="--", linewidth=1,
+                       label=f"guard threshold ({spec.saturation.action}, patience {spec.saturation.patience})")
+        bottom.legend(fontsize=8)
+    top.set(ylabel=spec.objective.metric, title=f"sweep {spec.name}: each trial's loss and gate saturation")
+    bottom.set(xlabel="tokens seen", ylabel="saturated gate fraction", ylim=(-0.05, 1.05))
+    top.legend(fontsize=7, ncol=max(1, len(curves) // 10))
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return figure
 
 
 def _cell(value: Any) -> str:

@@ -190,8 +190,10 @@ class TrialRunner:
         tags = {**base.tracking.tags, PARENT_TAG: self.parent_id, STUDY_TAG: self.study.study_name,
                 TRIAL_TAG: str(trial.number), **point.tags}
         flat: dict[str, Any] = {k: v for k, v in spec.overrides.items() if not k.startswith("tracking.tags")}
-        if isinstance(spec, SweepSpec):  # no end-of-run suite unless asked for; the guard's windows in the run
-            flat = {"eval.at_end": False, "eval.gate_windows": spec.saturation.windows, **flat}
+        if spec.saturation.threshold is not None:  # the guard judges the run's gate analysis: on its windows
+            flat = {"eval.gate_windows": spec.saturation.windows, **flat}
+        if isinstance(spec, SweepSpec):  # no end-of-run suite unless asked for
+            flat = {"eval.at_end": False, **flat}
             out_dir = Path(spec.out_dir) / "runs"
         else:
             out_dir = (Path(base.train.out_dir) / "ablations" / spec.name).resolve()
