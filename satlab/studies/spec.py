@@ -136,7 +136,7 @@ class SaturationGuard:
     also tells the sampler.
 
     Why observe by default (the saturation study, 90 cells of the tiny SATFormer at 12-48 layers, docs/results/
-    2026-12-03-saturation.md): with ReLU gates, the default, 26-69 % of heads are dead at every learning rate, and
+    2026-12-03-saturation.md): with ReLU gates, the default, 26-67 % of heads are dead at every learning rate, and
     at these values (0.5, 2) the guard would prune 32 of 45 ReLU trials, 6 of the 9 that finished in the best
     quarter of their sweep group among them (precision 28 %, chance 20 %). With sigmoid gates it picks out the
     learning rates that pin them (8 pruned, 5 of them in the worst quarter, 1 in the best): set ``action: prune``
