@@ -46,10 +46,10 @@ train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS=
 	$(VENV)/bin/satlab train experiment=$(EXP) $(ARGS)
 
 test: $(STAMP) ## run the fast test suite (what CI runs), one pytest process per core: make test [TEST_WORKERS=n]
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 test-full: $(STAMP) ## run every test, slow ones included
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m ''
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m ''
 
 lint: $(STAMP) ## ruff over the package and tests, and the import contracts (pyproject's [tool.importlinter])
 	$(VENV)/bin/ruff check satlab tests

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
-from pathlib import Path
+import platform
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from scipy import stats
 
 from satlab.bench.throughput import PairedRatio
 from satlab.cli.main import main
+from satlab.training.machine import cpu_caches, cpu_model
 
 
 def test_a_paired_ratio_is_the_geometric_mean_with_the_t_interval_of_the_log_ratios():
@@ -40,8 +41,8 @@ def test_the_bench_goes_on_until_the_interval_is_narrow_enough_or_says_it_is_not
     host = report["host"]  # what the machine was, measured before and after the rounds
     assert f"{host['threads']} threads" in printed and host["device"] in printed
     assert len(host["memory_gbps"]) == 2 and min(host["memory_gbps"]) > 0 and host["matmul_gflops"] > 0
-    if Path("/proc/cpuinfo").exists():  # Linux: the CPU's name and model number, and its caches
-        assert re.search(r"\(family \d+, model \d+\)", host["device"]) and "L2" in host["caches"]
+    # the machine as satlab.training.machine reads it, on x86 or ARM (its parsing is tested in test_tracking)
+    assert host["device"] == cpu_model() and host["caches"] == cpu_caches()
     assert main([*args, "--rounds", "3", "--ci-target", "0"]) == 0  # off: exactly the rounds asked for
     assert json.loads(out.read_text())["results"][1]["ratio"]["rounds"] == 3
     assert main([*args, "--ci-target", "-1"]) == 2
@@ -91,7 +92,8 @@ def test_the_depth_sweep_writes_its_ratios_by_depth_a_plot_and_an_mlflow_run(tmp
     assert list(report["depth_sweep"]) == ["1", "2"]
     assert [r["arch"] for r in report["depth_sweep"]["2"]] == ["transformer", "denseformer"]
     assert set(report["overheads"]["denseformer"]["time"]) == {"1", "2"}
-    assert (tmp_path / "bench_depth.png").stat().st_size > 10_000
+    image = plt.imread(tmp_path / "bench_depth.png")  # a PNG that decodes to a drawn figure, not a blank canvas
+    assert image.shape[0] >= 300 and image.shape[1] >= 400 and image[..., :3].std() > 0.05
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")  # not the process-wide URI other tests set
     run, = client.search_runs([client.get_experiment_by_name("bench").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "bench/denseformer/ratio_mean")]
@@ -140,6 +142,8 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory sets glibc's mallopt; elsewhere "
+                                                               "it is a no-op and the allocator decides")
 def test_freed_memory_stays_in_the_process_so_the_next_step_does_not_fault_its_pages_in_again():
     """By default glibc hands each freed 64 MB block back to the OS and faults its 16,384 pages in again at the next
     step; kept, a step after warm-up reuses the heap (its growth may still end during the measured steps)."""

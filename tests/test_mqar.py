@@ -143,7 +143,7 @@ def test_a_recall_run_stops_at_its_target_accuracy_and_stays_stopped_when_resume
 @pytest.mark.slow
 def test_the_recall_preset_learns_four_adjacent_pairs_above_0_9(tmp_path):
     """About 1,300 steps at batch 64 (two pairs plateau at 0.5, guessing between the two values, for at least 3,000
-    steps in this generator; four pairs bind sooner, see the README)."""
+    steps in this generator; four pairs bind sooner: docs/results/2026-12-01-recall-arch.md)."""
     cfg = load_experiment("recall/mqar", ["name=learns", "data.mqar.eval_sequences=256", "data.mqar.stop_at_acc=0.9",
                                           "train.val_every_tokens=409_600", f"train.out_dir={tmp_path / 'runs'}",
                                           f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])

@@ -1,9 +1,10 @@
 """The machine a bench ran on, measured next to its ratios.
 
 At small widths the architectures that add passes over the hidden states (dense depth loops, gates, extra norms)
-are bound by memory bandwidth, and a shared host's bandwidth changes from run to run with its neighbours (the README
-gives a case). The bench therefore records what the host was (CPU, caches, threads, fp32 matmul rate, memory copy
-bandwidth before and after the rounds), so two bench files can be told apart by their machines, not only their code.
+are bound by memory bandwidth, and a shared host's bandwidth changes from run to run with its neighbours
+(docs/results/2026-12-02-bench-tiny.md gives a case). The bench therefore records what the host was (CPU, caches,
+threads, fp32 matmul rate, memory copy bandwidth before and after the rounds), so two bench files can be told apart
+by their machines, not only their code.
 """
 
 from __future__ import annotations

@@ -46,12 +46,6 @@ def archs_table(size: str, seq_len: int | None = None, all_functions: bool = Fal
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="satlab archs", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", help="size preset (default: tiny)")
     parser.add_argument("--seq-len", type=int, default=None, help="context length for FLOPs (default: the preset's)")

@@ -1,6 +1,6 @@
 """Study specs: sweeps (``sweeps/*.yaml``) and ablation grids (``experiments/ablations/*.yml``: the ``.yml``
-suffix keeps them out of the experiment presets). The formats are in the README; ranges and choices are declared on
-the fields (``metadata``) and checked by :func:`satlab.config.structured.field_problems`."""
+suffix keeps them out of the experiment presets). The formats are in docs/studies.md; ranges and choices are declared
+on the fields (``metadata``) and checked by :func:`satlab.config.structured.field_problems`."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def store_unavailable(error: BaseException) -> bool:
     if isinstance(error, MlflowException):
         return error.get_http_status_code() >= 500
     import requests
-    import sqlalchemy.exc  # MLflow's own dependency, like requests
+    import sqlalchemy.exc
 
     if isinstance(error, sqlalchemy.exc.OperationalError | sqlalchemy.exc.DisconnectionError):
         return True
