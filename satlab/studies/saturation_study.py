@@ -37,7 +37,6 @@ LR_KEY = "optim.lr"
 DEPTH_KEY = "model.n_layers"
 SATURATED_RUN = 0.5  # a run is saturated when more than this share of its heads is saturated at its last analysis
 HISTORY_ARTIFACT = "gates/saturation_history.json"
-SATURATION_SHARE = 0.99  # a bounded gate's "nearly all elements at one bound" (the analysis's saturation_share)
 DEFINITIONS = {"share": 0.99, "dead": 1.0}
 """How a ReLU head counts as saturated (its ``dead_share``): ``share``, the old definition, at 0 on 99 % of its gate
 values (which counts a sparse head); ``dead``, the table's rule now, at 0 on all of them. Bounded gates: pinned at one
@@ -58,7 +57,7 @@ class CellOutcome:
 
     def fractions(self, dead_share: float) -> list[float]:
         """``val/gates/saturated_frac`` at each analysis under a ReLU definition (bounded gates: pinned on 99 %)."""
-        need = required_share(self.gate_fn, SATURATION_SHARE, dead_share)
+        need = required_share(self.gate_fn, dead_share=dead_share)  # bounded gates: the analysis's default share
         return [0.0 if need is None else float((share >= need).mean()) for share in self.shares]
 
 
