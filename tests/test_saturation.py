@@ -198,12 +198,16 @@ def pinned_scalars() -> dict[str, float]:
     return scalars
 
 
-def test_a_pruning_guard_stops_a_trial_whose_gates_are_pinned():
+def guarded_trial(action: str) -> tuple[optuna.Study, TrialCallback, SimpleNamespace, Recorder]:
+    """A trial's callback with a guard at 0.5, patience 2, its gate source and its MLflow stand-in."""
     study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    trial = study.ask()
     gates = SimpleNamespace(last_gate_scalars={})
-    callback = TrialCallback(trial, SaturationGuard(threshold=0.5, patience=2, action="prune"), gates)
-    recorder = Recorder()
+    callback = TrialCallback(study.ask(), SaturationGuard(threshold=0.5, patience=2, action=action), gates)
+    return study, callback, gates, Recorder()
+
+
+def test_a_pruning_guard_stops_a_trial_whose_gates_are_pinned():
+    study, callback, gates, recorder = guarded_trial("prune")
     trainer = fake_trainer(recorder)
     validate(callback, gates, trainer, [pinned_scalars()], [4.0])  # one validation: the streak is 1 of 2
     with pytest.raises(TrialStopped) as stopped:
@@ -225,11 +229,7 @@ def test_a_diverged_trial_says_so_on_its_mlflow_run():
 
 
 def test_an_observing_guard_records_the_would_be_prune_and_the_trial_trains_on():
-    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
-    trial = study.ask()
-    gates = SimpleNamespace(last_gate_scalars={})
-    callback = TrialCallback(trial, SaturationGuard(threshold=0.5, patience=2, action="observe"), gates)
-    recorder = Recorder()
+    study, callback, gates, recorder = guarded_trial("observe")
     sparse = report_of(five_heads("relu"), "relu").scalars()  # 20 % saturated: below the threshold
     pinned = pinned_scalars()
     validate(callback, gates, fake_trainer(recorder), [sparse, pinned, pinned, sparse, pinned, pinned],
