@@ -20,12 +20,14 @@ from satlab.studies.spec import readable_value, short_label
 from satlab.training.tracking import default_tracking_uri
 from satlab.training.views import (
     COLOUR_TAG,
+    SHARE_TAG,
     PALETTE,
     arch_colour,
     comparison_state,
     comparison_url,
     open_lines,
     param_column,
+    publish,
     serve_command,
     tag_column,
 )
@@ -160,3 +162,38 @@ def test_the_screenshot_script_shows_every_view_rendered(tmp_path):
     for name in ("runs_comparison", "ablation_comparison", "ablation_parent", "ablation_report", "dashboard"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.glob("*.failed.png"))
+
+
+def test_a_view_published_by_two_hosts_at_once_is_written_by_the_slower_one_too(tmp_path):
+    """The race two hosts of one study run: between the slower writer's check and its insert the faster one
+    writes the same view, so the insert fails on the unique key; the slower one's state must still land."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("race")
+    store = client._tracking_client.store
+    insert = store.set_experiment_tag
+    calls = []
+
+    def faster_host_wins_first(experiment_id, tag):  # the other host's row appears, then ours fails as MLflow's does
+        calls.append(tag.value)
+        if len(calls) == 1:
+            insert(experiment_id, type(tag)(tag.key, '{"other": "host"}'))
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: experiment_tags.key")
+        insert(experiment_id, tag)
+
+    store.set_experiment_tag = faster_host_wins_first
+    publish(client, experiment, "satlab-study-x", {"ours": 1})
+    assert json.loads(client.get_experiment(experiment).tags[SHARE_TAG + "satlab-study-x"]) == {"ours": 1}
+    assert len(calls) == 2
+
+    def store_down(experiment_id, tag):  # any other failure is neither retried nor swallowed
+        calls.append(tag.value)
+        raise MlflowException("database is locked")
+
+    calls.clear()
+    store.set_experiment_tag = store_down
+    with pytest.raises(MlflowException, match="locked"):
+        publish(client, experiment, "satlab-study-y", {"ours": 2})
+    assert len(calls) == 1

@@ -112,7 +112,18 @@ def comparison_state(run_filter: str = "", lines: Sequence[str] = LOSS_CURVES, b
 
 
 def publish(client: mlflow.MlflowClient, experiment_id: str, key: str, state: dict) -> None:
-    client.set_experiment_tag(experiment_id, SHARE_TAG + key, json.dumps(state))
+    """Write the view ``key``. Several hosts of one study publish the same view at the same moment; MLflow's SQL
+    store writes a new tag by insert, so the slower of two first writers fails on the unique key the faster one
+    just wrote. That loser retries once, now as an update of the existing row."""
+    from mlflow.exceptions import MlflowException
+
+    tag, value = SHARE_TAG + key, json.dumps(state)
+    try:
+        client.set_experiment_tag(experiment_id, tag, value)
+    except MlflowException:
+        if tag not in client.get_experiment(experiment_id).tags:
+            raise  # not the race: nobody else wrote this view
+        client.set_experiment_tag(experiment_id, tag, value)
 
 
 FAMILY_VIEW = "satlab-runs"
