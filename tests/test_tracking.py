@@ -97,3 +97,24 @@ def test_a_run_is_tagged_with_the_cpus_name_and_model_number_wherever_proc_cpuin
     assert machine.cpu_model() == (platform.processor() or platform.machine())
     cpuinfo.unlink()
     assert machine.cpu_model() == (platform.processor() or platform.machine())
+
+
+def test_a_store_left_mid_transaction_by_a_killed_process_is_usable_by_the_next_run(tmp_path):
+    """A run SIGKILLed while MLflow writes to its sqlite store leaves a hot journal; the next process's store check
+    must roll it back (as any writer does) rather than refuse the store as read-only."""
+    from satlab.training.tracking import sqlite_problem
+
+    db = tmp_path / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{db}").search_experiments()
+    writer = ("import os, signal, sqlite3, sys\n"
+              "connection = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+              "connection.execute('PRAGMA cache_size=2')  # so the transaction spills pages: the journal is hot\n"
+              "connection.execute('BEGIN IMMEDIATE')\n"
+              "for k in range(2000):\n"
+              "    connection.execute('INSERT INTO experiment_tags VALUES (?, ?, ?)', (f'k{k}', 'v' * 500, '0'))\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", writer, str(db)]).returncode == -9
+    assert (tmp_path / "mlflow.db-journal").exists()  # hot: its writer died inside the transaction
+    assert sqlite_problem(db) is None
+    assert not (tmp_path / "mlflow.db-journal").exists()
+    assert "k0" not in mlflow.MlflowClient(f"sqlite:///{db}").get_experiment("0").tags

@@ -99,7 +99,10 @@ def sqlite_problem(db: Path) -> str | None:
         import sqlite3
 
         try:
-            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=CHECK_SECONDS) as connection:
+            # Read-write, never creating: a process killed inside a write transaction leaves a hot journal, which
+            # the next connection must roll back; a read-only one fails on it ("attempt to write a readonly
+            # database") and the store would be refused for good.
+            with sqlite3.connect(f"file:{db}?mode=rw", uri=True, timeout=CHECK_SECONDS) as connection:
                 connection.execute("PRAGMA schema_version").fetchone()
         except sqlite3.Error as error:
             return f"{db} is not a usable sqlite database ({error})"
