@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
+import typing
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -15,6 +19,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
 from satlab.config.schema import ExperimentConfig
 from satlab.models import ARCHITECTURES, build_model
+from satlab.models.config import ModelConfig, resolve_model_config
 
 
 def write(path: Path, text: str) -> Path:
@@ -127,6 +132,62 @@ def test_whole_number_strings_and_floats_become_ints() -> None:
     assert cfg.train.max_tokens == 1_000_000 and cfg.train.val_tokens == 32_768
     with pytest.raises(ConfigError, match="train.max_tokens"):
         load_experiment(overrides=["train.max_tokens=1.5e0"])
+
+
+UNDECLARED = {
+    # the settings that declare no range or choices on their field, and why
+    "name": "a run name: the loader checks its characters (RUN_NAME)",
+    "description": "free text",
+    "data.source": "a corpus name, file, folder, glob or hub dataset: the data layer resolves it",
+    "data.text_field": "free text: the field of a row that holds its text",
+    "data.hub_config": "free text: a hub dataset's configuration name",
+    "data.hub_split": "free text: a hub dataset's split name",
+    "data.cache_dir": "a path",
+    "data.mix": "shares by synthetic source: mix_problems checks the names and the shares",
+    "data.tokenizer.name": "free text: a hub tokenizer's name",
+    "data.mqar.layout": "checked by MQARConfig.problems, for a synthetic:mqar source only",
+    "data.mqar.stop_at_acc": "checked by MQARConfig.problems, for a synthetic:mqar source only",
+    "optim.betas": "a pair: the loader checks that both are in [0, 1)",
+    "train.out_dir": "a path",
+    "eval.tasks": "lm-eval task and group names: an open set, which lm-eval resolves",
+    "tracking.uri": "a tracking URI: the tracking layer checks it",
+    "tracking.artifact_dir": "a path",
+    "tracking.experiment": "free text: an MLflow experiment name",
+    "tracking.run_name": "free text: the name the MLflow UI shows",
+    "tracking.tags": "free text: extra MLflow run tags",
+    "model.satformer.last_k": "checked against model.n_layers by SATFormerOptions.problems",
+}
+
+
+def settings(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """Every leaf setting of a config dataclass, sections (the model's architecture options too) walked into."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from settings(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hints[f.name], f
+
+
+def leaf_types(hint: Any) -> set[Any]:
+    """The plain types a hint is made of: ``{int, NoneType}`` for ``int | None``, ``{str, float}`` for
+    ``dict[str, float]``."""
+    args = typing.get_args(hint)
+    return set().union(*map(leaf_types, args)) if args else {hint}
+
+
+def test_every_setting_declares_its_range_or_choices() -> None:
+    """A number declares its range, a text its choices (field metadata, see satlab.config.structured.field_problems),
+    so a new setting cannot be added without them; the exceptions are listed above, each with its reason."""
+    undeclared = [key for key, hint, f in settings(ExperimentConfig)
+                  if leaf_types(hint) & {int, float, str} and not {"range", "choices"} & set(f.metadata)]
+    assert [key for key in undeclared if key not in UNDECLARED] == [], "declare a range or choices on the field"
+    assert [key for key in UNDECLARED if key not in undeclared] == [], "no longer an exception: remove from UNDECLARED"
+
+
+def test_a_size_must_be_an_integer() -> None:
+    with pytest.raises(ConfigError, match=re.escape("model.d_model must be an integer in [1, 65,536], got 128.0")):
+        resolve_model_config(dataclasses.replace(ModelConfig(), d_model=128.0))
 
 
 def test_cycle_is_detected(tmp_path: Path) -> None:

@@ -21,21 +21,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.errors import ConfigError, unknown_name
-from satlab.config.schema import (
-    ACCELERATORS,
-    BPE_MIN_VOCAB,
-    MIX_SOURCES,
-    PRECISIONS,
-    RESUME_MODES,
-    SOURCE_KINDS,
-    STRATEGIES,
-    SYNTHETIC_PREFIX,
-    SYNTHETIC_TASKS,
-    TOKENIZER_KINDS,
-    ExperimentConfig,
-)
+from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
 from satlab.config.specs import existing, item_problem, named_file, read_mapping, short_path, user_path
-from satlab.config.structured import Layer, Range, build, range_problems, short_repr
+from satlab.config.structured import Layer, build, field_problems, short_repr
 from satlab.models.config import SIZE_PRESETS, resolve_model_config
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
@@ -45,38 +33,6 @@ MAX_MIX_SHARE = 0.5
 RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 """A run name is one path component under ``train.out_dir``: letters, digits, ``.``, ``_`` and ``-``."""
 
-_TOKENS = 10**15  # a thousand times the largest budgets trained today
-# key -> (low, high, low excluded): the values a user could mean. Optional fields are skipped when None; NaN and
-# infinities are never in range.
-_RANGES: dict[str, Range] = {
-    "optim.lr": (0, 10, True), "optim.eps": (0, 1, True), "optim.weight_decay": (0, 10, False),
-    "optim.warmup_fraction": (0, 0.999, False), "optim.warmup_tokens": (0, _TOKENS, False),
-    "optim.min_lr_ratio": (0, 1, False), "optim.grad_clip": (0, 1e6, False),
-    "optim.gate_lr_multiplier": (0, 1e4, True),
-    "data.seq_len": (1, 2**22, False), "data.val_fraction": (0, 0.999, False), "data.num_workers": (0, 256, False),
-    "data.num_proc": (1, 4096, False), "data.prepare_timeout_s": (0, 10**7, True),
-    "data.hub_max_documents": (1, 10**12, False),
-    "data.tokenizer.vocab_size": (1, 10**7, False),  # a bpe one: >= BPE_MIN_VOCAB, and what its corpus allows (the
-    # data layer says when it stops short); 10**7 is far inside the uint32 the token ids are stored in
-    "data.mqar.vocab_size": (1, 10**7, False), "data.mqar.num_pairs": (1, 10**6, False),
-    "data.mqar.num_queries": (1, 10**6, False), "data.mqar.eval_sequences": (1, 10**7, False),
-    "train.max_tokens": (1, _TOKENS, False), "train.global_batch_tokens": (1, 10**10, False),
-    "train.micro_batch_size": (1, 10**7, False), "train.seed": (0, 2**32 - 1, False),
-    "train.devices": (1, 4096, False), "train.num_nodes": (1, 10**4, False),
-    "train.data_parallel_size": (1, 10**6, False), "train.val_every_tokens": (1, _TOKENS, False),
-    "train.val_tokens": (1, 10**12, False), "train.ckpt_every_tokens": (1, _TOKENS, False),
-    "train.keep_last_k": (0, 10**6, False), "train.log_every_n_steps": (1, 10**7, False),
-    "train.max_skipped_steps": (0, 10**9, False), "train.max_time_minutes": (0, 10**7, True),
-    "eval.every_tokens": (1, _TOKENS, False), "eval.limit": (1, 10**9, False), "eval.gate_windows": (1, 10**5, False),
-}
-_CHOICES = {
-    "data.tokenizer.kind": TOKENIZER_KINDS,
-    "train.accelerator": ACCELERATORS,
-    "data.source_kind": SOURCE_KINDS,
-    "train.precision": PRECISIONS,
-    "train.strategy": STRATEGIES,
-    "train.resume": RESUME_MODES,
-}
 _TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file, folder or glob, or a hub dataset",
          "data.cache_dir": "a folder for the data caches", "train.out_dir": "the folder of the run folders",
          "data.text_field": "the field of a row that holds its text", "data.hub_split": "a split name, e.g. train"}
@@ -247,17 +203,13 @@ def _value_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(f"name {short_repr(cfg.name)} is not a run name: it names the folder {cfg.train.out_dir}/"
                         "<name>, so it must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or "
                         "'..')")
-    problems.extend(range_problems(cfg, _RANGES))
+    problems.extend(field_problems(cfg, skip=("model",)))  # declared ranges and choices; resolve_model_config's: model
     problems.extend(f"{key} is empty; it needs {what}" for key, what in _TEXT.items() if not attrgetter(key)(cfg))
     if cfg.data.tokenizer.kind == "bpe" and cfg.data.tokenizer.vocab_size < BPE_MIN_VOCAB:
         problems.append(f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} is too small for a byte-level BPE: "
                         f"it needs >= {BPE_MIN_VOCAB} (256 bytes, end-of-text and a merge), e.g. 8192")
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas must both be in [0, 1), got {list(cfg.optim.betas)}")
-    for key, valid in _CHOICES.items():
-        value = attrgetter(key)(cfg)
-        if value not in valid:
-            problems.append(unknown_name(key, value, valid))
     problems.extend(mix_problems(cfg.data.mix))
     task = cfg.data.synthetic_task
     if task is not None and task not in SYNTHETIC_TASKS:

@@ -1,13 +1,19 @@
 """The experiment configuration: one typed dataclass per component, combined in :class:`ExperimentConfig`.
 
 Budgets are in tokens; optimizer steps and gradient accumulation are derived (see ``satlab.config.derived``).
+
+Every setting declares what is valid on its field, checked by :func:`satlab.config.structured.field_problems`: a
+number its range (``metadata=in_range(low, high)``: the values a user could mean; NaN and infinities never are), a
+name with a fixed set of values its ``choices``. What depends on several settings is checked in
+``satlab.config.loader``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from satlab.models.config import ModelConfig
+from satlab.config.structured import in_range
+from satlab.models.config import MAX_VOCAB, ModelConfig
 
 TOKENIZER_KINDS = ("byte", "bpe", "hub")
 SOURCE_KINDS = ("auto", "corpus", "files", "hub")
@@ -29,6 +35,8 @@ SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_TASKS = ("mqar",)
 """``data.source=synthetic:<task>``: token-level tasks generated on the fly (see ``satlab.data.mqar``)."""
 MQAR_LAYOUTS = ("adjacent", "separated", "multi_token_key")
+MAX_TOKENS = 10**15
+"""The largest token count of a budget or interval: a thousand times the largest budgets trained today."""
 
 
 @dataclass
@@ -47,11 +55,11 @@ class MQARConfig:
     the first validation whose held-out accuracy reaches it (Zoology stops at 0.99); null trains the full budget.
     """
 
-    vocab_size: int = 8192
-    num_pairs: int = 4
-    num_queries: int | None = None
-    layout: str = "adjacent"
-    eval_sequences: int = 1000
+    vocab_size: int = field(default=8192, metadata=in_range(1, MAX_VOCAB))
+    num_pairs: int = field(default=4, metadata=in_range(1, 10**6))
+    num_queries: int | None = field(default=None, metadata=in_range(1, 10**6))
+    layout: str = "adjacent"  # checked by problems(), for a synthetic:mqar source only, as is stop_at_acc
+    eval_sequences: int = field(default=1000, metadata=in_range(1, 10**7))
     stop_at_acc: float | None = None
 
     @property
@@ -111,8 +119,10 @@ class TokenizerConfig:
     """``byte``: 256 byte ids + specials; ``bpe``: trained locally on the training split with HF ``tokenizers`` and
     cached; ``hub``: a pretrained tokenizer by name (needs the network the first time)."""
 
-    kind: str = "bpe"
-    vocab_size: int = 8192
+    kind: str = field(default="bpe", metadata={"choices": TOKENIZER_KINDS})
+    # a bpe one: >= BPE_MIN_VOCAB (checked by the loader), and what its corpus allows (the data layer says when it
+    # stops short)
+    vocab_size: int = field(default=8192, metadata=in_range(1, MAX_VOCAB))
     name: str | None = None
 
 
@@ -139,18 +149,18 @@ class DataConfig:
     """
 
     source: str = "shakespeare"
-    source_kind: str = "auto"
+    source_kind: str = field(default="auto", metadata={"choices": SOURCE_KINDS})
     text_field: str = "text"
     hub_config: str | None = None
     hub_split: str = "train"
-    hub_max_documents: int | None = None
-    seq_len: int = 256
-    val_fraction: float = 0.05
+    hub_max_documents: int | None = field(default=None, metadata=in_range(1, 10**12))
+    seq_len: int = field(default=256, metadata=in_range(1, 2**22))
+    val_fraction: float = field(default=0.05, metadata=in_range(0, 0.999))
     cache_dir: str = ".cache/satlab"
-    num_workers: int = 0
-    num_proc: int | None = None
+    num_workers: int = field(default=0, metadata=in_range(0, 256))
+    num_proc: int | None = field(default=None, metadata=in_range(1, 4096))
     prepare_per_node: bool = False
-    prepare_timeout_s: float = 600.0
+    prepare_timeout_s: float = field(default=600.0, metadata=in_range(0, 10**7, low_excluded=True))
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     mix: dict[str, float] = field(default_factory=dict)
     mqar: MQARConfig = field(default_factory=MQARConfig)
@@ -169,42 +179,45 @@ class OptimConfig:
     which matches the reference code's decay-everything.
     """
 
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = field(default=3e-3, metadata=in_range(0, 10, low_excluded=True))
+    betas: tuple[float, float] = (0.9, 0.95)  # each in [0, 1): checked by the loader
+    eps: float = field(default=1e-8, metadata=in_range(0, 1, low_excluded=True))
+    weight_decay: float = field(default=0.1, metadata=in_range(0, 10))
     decay_all: bool = False
-    warmup_fraction: float = 0.01
-    warmup_tokens: int | None = None
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    gate_lr_multiplier: float = 1.0
+    warmup_fraction: float = field(default=0.01, metadata=in_range(0, 0.999))
+    warmup_tokens: int | None = field(default=None, metadata=in_range(0, MAX_TOKENS))
+    min_lr_ratio: float = field(default=0.1, metadata=in_range(0, 1))
+    grad_clip: float = field(default=1.0, metadata=in_range(0, 1e6))
+    gate_lr_multiplier: float = field(default=1.0, metadata=in_range(0, 1e4, low_excluded=True))
 
 
 @dataclass
 class TrainConfig:
-    max_tokens: int = 2_000_000
-    global_batch_tokens: int = 8192
-    micro_batch_size: int = 32
-    seed: int = 1337
-    precision: str = "auto"  # bf16-mixed on a CUDA GPU with bf16, else 32-true (resolved when a run starts)
+    max_tokens: int = field(default=2_000_000, metadata=in_range(1, MAX_TOKENS))
+    global_batch_tokens: int = field(default=8192, metadata=in_range(1, 10**10))
+    micro_batch_size: int = field(default=32, metadata=in_range(1, 10**7))
+    seed: int = field(default=1337, metadata=in_range(0, 2**32 - 1))
+    # bf16-mixed on a CUDA GPU with bf16, else 32-true (resolved when a run starts)
+    precision: str = field(default="auto", metadata={"choices": PRECISIONS})
     compile: bool = False
-    accelerator: str = "auto"
-    devices: int = 1
-    num_nodes: int = 1
-    strategy: str = "auto"
-    data_parallel_size: int | None = None  # model_parallel: size of the FSDP2 data-parallel mesh (None: all devices)
+    accelerator: str = field(default="auto", metadata={"choices": ACCELERATORS})
+    devices: int = field(default=1, metadata=in_range(1, 4096))
+    num_nodes: int = field(default=1, metadata=in_range(1, 10**4))
+    strategy: str = field(default="auto", metadata={"choices": STRATEGIES})
+    # model_parallel: size of the FSDP2 data-parallel mesh (None: all devices)
+    data_parallel_size: int | None = field(default=None, metadata=in_range(1, 10**6))
     activation_checkpointing: bool = False  # every strategy: each block or sublayer call is recomputed in backward
     deterministic: bool = False
-    val_every_tokens: int = 250_000
-    val_tokens: int = 65_536
-    ckpt_every_tokens: int = 500_000
-    keep_last_k: int = 2
+    val_every_tokens: int = field(default=250_000, metadata=in_range(1, MAX_TOKENS))
+    val_tokens: int = field(default=65_536, metadata=in_range(1, 10**12))
+    ckpt_every_tokens: int = field(default=500_000, metadata=in_range(1, MAX_TOKENS))
+    keep_last_k: int = field(default=2, metadata=in_range(0, 10**6))
     out_dir: str = "runs"
-    resume: str = "auto"
-    log_every_n_steps: int = 10
-    max_skipped_steps: int = 20  # steps with a non-finite loss or gradient norm skipped before the run stops
-    max_time_minutes: float | None = None
+    resume: str = field(default="auto", metadata={"choices": RESUME_MODES})
+    log_every_n_steps: int = field(default=10, metadata=in_range(1, 10**7))
+    # steps with a non-finite loss or gradient norm skipped before the run stops
+    max_skipped_steps: int = field(default=20, metadata=in_range(0, 10**9))
+    max_time_minutes: float | None = field(default=None, metadata=in_range(0, 10**7, low_excluded=True))
 
 
 @dataclass
@@ -213,11 +226,11 @@ class EvalConfig:
     gate statistics at every validation. ``tasks`` are offline suite names (``satlab_offline`` is all of it) or,
     online, any lm-eval task or group; ``limit`` caps the items per task."""
 
-    every_tokens: int | None = None
+    every_tokens: int | None = field(default=None, metadata=in_range(1, MAX_TOKENS))
     at_end: bool = True
     tasks: list[str] = field(default_factory=lambda: ["satlab_offline"])
-    limit: int | None = None
-    gate_windows: int = 8
+    limit: int | None = field(default=None, metadata=in_range(1, 10**9))
+    gate_windows: int = field(default=8, metadata=in_range(1, 10**5))
 
 
 @dataclass

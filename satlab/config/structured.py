@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
-from operator import attrgetter
 from types import UnionType
 from typing import Any, TypeVar
 
@@ -93,8 +92,7 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
 def shape_problem(hint: Any, value: Any, field: dataclasses.Field) -> str | None:
     """Why ``value`` cannot be a value of a field of type ``hint`` whatever its content, else None: no value (an
     empty ``key=`` or null) for a required field that is not text, or a list or mapping for a single value."""
-    optional = typing.get_origin(hint) in (typing.Union, UnionType) and type(None) in typing.get_args(hint)
-    plain = typing.get_args(hint)[0] if optional else hint
+    plain, optional = without_none(hint)
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
     shown = "" if default is dataclasses.MISSING else f" (the default is {default!r})"
     if value is None and not optional and plain is not str:
@@ -104,6 +102,12 @@ def shape_problem(hint: Any, value: Any, field: dataclasses.Field) -> str | None
         shape = "a mapping" if isinstance(value, Mapping) else "a list"
         return f"takes {_a(plain)}, got {shape}: {short_repr(value)}"
     return None
+
+
+def without_none(hint: Any) -> tuple[Any, bool]:
+    """``(int, True)`` for ``int | None``; ``(hint, False)`` for a hint that does not admit None."""
+    optional = typing.get_origin(hint) in (typing.Union, UnionType) and type(None) in typing.get_args(hint)
+    return (typing.get_args(hint)[0] if optional else hint), optional
 
 
 def _a(hint: Any) -> str:
@@ -117,30 +121,55 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
-def field_problems(obj: Any, prefix: str = "") -> list[str]:
-    """The values of ``obj`` (and of its dataclass sections) outside what their fields declare: ``metadata["range"]``
-    (a :data:`Range`) or ``metadata["choices"]``."""
+def in_range(low: float, high: float, low_excluded: bool = False, note: str = "") -> dict[str, Any]:
+    """The ``metadata`` of a numeric field whose values lie in [low, high] ((low, high] with ``low_excluded``), for
+    :func:`field_problems`; ``note`` ends the message of a value outside it (``"; null means model.init_std"``)."""
+    return {"range": (low, high, low_excluded), **({"note": note} if note else {})}
+
+
+def field_problems(obj: Any, prefix: str = "", skip: Collection[str] = ()) -> list[str]:
+    """The values of ``obj`` (and of its dataclass sections; not the fields named in ``skip``) outside what their
+    fields declare in ``metadata``, one message each, keys prefixed with ``prefix``:
+
+    - ``"range"``: a :data:`Range` (see :func:`in_range`). None passes (an optional setting left unset); NaN,
+      infinities and non-numbers never do, and a field typed ``int`` (or ``int | None``) takes integers only.
+    - ``"choices"``: the valid values; ``"label"`` names the setting in the message instead of its key.
+    - ``"note"``: text appended to the message, e.g. what 0 or null means for the setting.
+    """
     problems = []
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if f.name in skip:
+            continue
+        value, key, note = getattr(obj, f.name), f"{prefix}{f.name}", f.metadata.get("note", "")
         if dataclasses.is_dataclass(value):
             problems.extend(field_problems(value, f"{key}."))
         elif "range" in f.metadata:
-            problems.extend(range_problems(obj, {f.name: f.metadata["range"]}, prefix))
+            integer = without_none(hints[f.name])[0] is int
+            if (problem := _range_problem(value, f.metadata["range"], integer)) is not None:
+                problems.append(f"{key} {problem}{note}")
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            problems.append(unknown_name(f.metadata.get("label", key), value, f.metadata["choices"]))
+            problems.append(unknown_name(f.metadata.get("label", key), value, f.metadata["choices"]) + note)
     return problems
 
 
-def range_problems(obj: Any, ranges: Mapping[str, Range], prefix: str = "") -> list[str]:
-    """Every attribute of ``obj`` named in ``ranges`` that is outside its range (None is skipped: optional)."""
-    problems = []
-    for key, (low, high, low_excluded) in ranges.items():
-        value = attrgetter(key)(obj)
-        if value is not None and not (low < value <= high if low_excluded else low <= value <= high):
-            problems.append(f"{prefix}{key} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], "
-                            f"got {value!r}")
-    return problems
+def _range_problem(value: Any, bounds: Range, integer: bool) -> str | None:
+    """Why ``value`` is outside ``bounds``, else None (also for None: an optional setting left unset)."""
+    low, high, low_excluded = bounds
+    if value is None:
+        return None
+    number = isinstance(value, int if integer else int | float) and not isinstance(value, bool)
+    if number and (low < value <= high if low_excluded else low <= value <= high):
+        return None
+    kind = "an integer in" if integer else "in" if number else "a number in"
+    return f"must be {kind} {'(' if low_excluded else '['}{_bound(low)}, {_bound(high)}], got {value!r}"
+
+
+def _bound(x: float) -> str:
+    """A bound as a person reads it: 0.999, a round large number as 1e+15, any other integer in full (4,096, 65,536,
+    and 4,294,967,295, which %g would round)."""
+    text = f"{x:g}"
+    return f"{int(x):,}" if float(x).is_integer() and ("e" not in text or float(text) != x) else text
 
 
 def accepts_int(hint: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import satlab.models.archs  # noqa: F401  (registers every architecture)
 from satlab.config.errors import ConfigError, unknown_name
-from satlab.config.structured import build, field_problems
+from satlab.config.structured import build, field_problems, in_range
 from satlab.models.architecture import ARCHITECTURES
 from satlab.models.layers import MIXING_IMPLS
 
@@ -32,6 +32,9 @@ SIZE_PRESETS: dict[str, dict[str, int]] = {
 }
 # The spec's parameter counts (tied embeddings), used by the preset tests.
 PAPER_PARAM_COUNTS = {"small": 128e6, "medium": 335e6, "large": 766e6, "xl": 1.30e9}
+MAX_VOCAB = 10**7
+"""The largest vocabulary (of a model, a tokenizer, a synthetic task): far inside the uint32 the token ids are stored
+in."""
 
 
 @dataclass
@@ -52,19 +55,22 @@ class BackboneConfig:
     (``tests/test_parity.py``), so a resumed run may change it. See ``docs/implementations.md``.
     """
 
-    arch: str = "satformer"
-    size: str = "tiny"
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    mlp_hidden: int | None = None
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    embed_init_std: float | None = None
+    arch: str = field(default="satformer", metadata={"choices": ARCHITECTURES, "label": "architecture (model.arch)"})
+    size: str = field(default="tiny", metadata={"choices": SIZE_PRESETS, "label": "model size"})
+    # The sizes, None until resolve_model_config fills them from the preset.
+    d_model: int | None = field(default=None, metadata=in_range(1, 65_536))
+    n_layers: int | None = field(default=None, metadata=in_range(1, 4096))
+    n_heads: int | None = field(default=None, metadata=in_range(1, 4096))
+    n_kv_heads: int | None = field(default=None, metadata=in_range(1, 4096))
+    mlp_hidden: int | None = field(default=None, metadata=in_range(0, 1_048_576, note="; 0 means no MLP sublayer"))
+    vocab_size: int | None = field(default=None, metadata=in_range(1, MAX_VOCAB))
+    max_seq_len: int | None = field(default=None, metadata=in_range(1, 4_194_304))
+    rope_theta: float = field(default=10000.0, metadata=in_range(0, 1e12, low_excluded=True))
+    # norm_eps may be 0: with every RMSNorm scale-free, AttnRes starts exactly as the Transformer (its parity test)
+    norm_eps: float = field(default=1e-6, metadata=in_range(0, 0.1))
+    init_std: float = field(default=0.02, metadata=in_range(0, 10, low_excluded=True))
+    embed_init_std: float | None = field(default=None, metadata=in_range(0, 100, low_excluded=True,
+                                                                          note="; null means model.init_std"))
     tie_embeddings: bool = True
     mixing_impl: str = field(default="auto", metadata={"choices": MIXING_IMPLS})
 
@@ -105,30 +111,13 @@ def resolve_model_config(cfg: Any) -> Any:
     return cfg
 
 
-_SIZE_RANGES = {"d_model": (1, 65_536), "n_layers": (1, 4096), "n_heads": (1, 4096), "n_kv_heads": (1, 4096),
-                "mlp_hidden": (0, 1_048_576), "vocab_size": (1, 10_000_000), "max_seq_len": (1, 4_194_304)}
-# (low, high, low excluded). norm_eps may be 0: with every RMSNorm scale-free, AttnRes starts exactly as the
-# Transformer (its parity test).
-_SCALE_RANGES = {"rope_theta": (0, 1e12, True), "norm_eps": (0, 0.1, False), "init_std": (0, 10, True),
-                 "embed_init_std": (0, 100, True)}
-
-
 def model_config_problems(cfg: Any) -> list[str]:
-    """Every problem with a resolved model config, as one line each: the backbone's, then each architecture's
-    options (their declared ranges and choices, and their ``problems(cfg)``)."""
-    problems = []
-    if cfg.arch not in ARCHITECTURES:
-        problems.append(unknown_name("architecture (model.arch)", cfg.arch, ARCHITECTURES))
-    for f in dataclasses.fields(BackboneConfig):  # the backbone's declared choices (its sections are checked below)
-        if "choices" in f.metadata and getattr(cfg, f.name) not in f.metadata["choices"]:
-            problems.append(unknown_name(f"model.{f.name}", getattr(cfg, f.name), f.metadata["choices"]))
-    for name, (least, most) in _SIZE_RANGES.items():
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
-            note = " (0: no MLP sublayer)" if least == 0 else ""
-            problems.append(f"model.{name} must be an integer in [{least}, {most:,}]{note}, got {value!r}")
+    """Every problem with a resolved model config, as one line each: the declared ranges and choices of the backbone
+    and of each architecture's options, then, once every one holds, what depends on several of them (heads that
+    divide the width, each architecture's ``problems(cfg)``)."""
+    problems = field_problems(cfg, "model.")
     if problems:
-        return problems
+        return problems  # what follows divides by the sizes and compares with them
     if cfg.d_model % cfg.n_heads:
         problems.append(
             f"model.n_heads={cfg.n_heads} does not divide model.d_model={cfg.d_model}; "
@@ -141,16 +130,10 @@ def model_config_problems(cfg: Any) -> list[str]:
         )
     elif cfg.head_dim % 2:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
-    for name, (low, high, low_excluded) in _SCALE_RANGES.items():
-        value = getattr(cfg, name)
-        if value is not None and not ((low < value if low_excluded else low <= value) and value <= high):
-            problems.append(f"model.{name} must be in {'(' if low_excluded else '['}{low:g}, {high:g}], got {value!r}"
-                            + ("; null means model.init_std" if name == "embed_init_std" else ""))
     for arch in ARCHITECTURES.values():
         options = arch.options_of(cfg)
-        if options is not None:
-            problems.extend(field_problems(options, f"model.{arch.name}."))
-            problems.extend(options.problems(cfg) if hasattr(options, "problems") else [])
+        if options is not None and hasattr(options, "problems"):
+            problems.extend(options.problems(cfg))
     return problems
 
 

@@ -23,17 +23,13 @@ from omegaconf.errors import OmegaConfBaseException
 from satlab.config.errors import unknown_name
 from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
 from satlab.config.schema import ExperimentConfig
-from satlab.config.structured import field_problems
+from satlab.config.structured import field_problems, in_range
 from satlab.models.architecture import ARCHITECTURES
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def _range(low: float, high: float, low_excluded: bool = False) -> dict[str, Any]:
-    return {"range": (low, high, low_excluded)}
 
 
 def format_value(value: Any) -> str:
@@ -111,7 +107,7 @@ class Objective:
 class SamplerSpec:
     name: str = field(default="tpe", metadata={"choices": ("tpe", "random"), "label": "sampler"})
     seed: int | None = 0
-    n_startup_trials: int = field(default=5, metadata=_range(0, 10**6))
+    n_startup_trials: int = field(default=5, metadata=in_range(0, 10**6))
 
 
 @dataclass
@@ -120,10 +116,10 @@ class PrunerSpec:
     base config's ``train.val_every_tokens``."""
 
     name: str = field(default="median", metadata={"choices": ("median", "hyperband", "none"), "label": "pruner"})
-    warmup_tokens: int = field(default=0, metadata=_range(0, 10**15))
-    n_startup_trials: int = field(default=3, metadata=_range(0, 10**6))
-    min_tokens: int | None = field(default=None, metadata=_range(1, 10**15))
-    reduction_factor: int = field(default=3, metadata=_range(2, 100))
+    warmup_tokens: int = field(default=0, metadata=in_range(0, 10**15))
+    n_startup_trials: int = field(default=3, metadata=in_range(0, 10**6))
+    min_tokens: int | None = field(default=None, metadata=in_range(1, 10**15))
+    reduction_factor: int = field(default=3, metadata=in_range(2, 100))
 
 
 @dataclass
@@ -142,9 +138,9 @@ class SaturationGuard:
     learning rates that pin them (8 pruned, 5 of them in the worst quarter, 1 in the best): set ``action: prune``
     for bounded gates. Saturated runs did end worse, by 0.04 nats at the same learning rate and gate function."""
 
-    threshold: float | None = field(default=0.5, metadata=_range(0, 1))
-    patience: int = field(default=2, metadata=_range(1, 10**6))
-    windows: int = field(default=8, metadata=_range(1, 10**5))
+    threshold: float | None = field(default=0.5, metadata=in_range(0, 1))
+    patience: int = field(default=2, metadata=in_range(1, 10**6))
+    windows: int = field(default=8, metadata=in_range(1, 10**5))
     constraint: bool = True
     action: str = field(default="observe", metadata={"choices": ("prune", "observe")})
 
@@ -153,11 +149,11 @@ class SaturationGuard:
 class TrialSettings:
     """A trial whose driver stops beating for ``grace_seconds`` is failed and retried up to ``max_retry`` times."""
 
-    heartbeat_seconds: int = field(default=10, metadata=_range(1, 86400))
-    grace_seconds: int = field(default=60, metadata=_range(2, 10**6))
-    max_retry: int = field(default=2, metadata=_range(0, 1000))
-    threads: int | None = field(default=None, metadata=_range(1, 4096))
-    timeout_minutes: float | None = field(default=None, metadata=_range(0, 10**7, True))
+    heartbeat_seconds: int = field(default=10, metadata=in_range(1, 86400))
+    grace_seconds: int = field(default=60, metadata=in_range(2, 10**6))
+    max_retry: int = field(default=2, metadata=in_range(0, 1000))
+    threads: int | None = field(default=None, metadata=in_range(1, 4096))
+    timeout_minutes: float | None = field(default=None, metadata=in_range(0, 10**7, True))
 
 
 @dataclass
@@ -229,7 +225,7 @@ class SweepSpec(StudySpec):
     spec_artifact: ClassVar[str] = "sweep.yaml"
     space: dict[str, Any] = field(default_factory=dict, metadata={"leaf": is_param})
     objective: Objective = field(default_factory=Objective)
-    n_trials: int = field(default=20, metadata=_range(1, 10**6))  # ``--n-trials 0`` rewrites the report
+    n_trials: int = field(default=20, metadata=in_range(1, 10**6))  # ``--n-trials 0`` rewrites the report
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     pruner: PrunerSpec = field(default_factory=PrunerSpec)
     saturation: SaturationGuard = field(default_factory=SaturationGuard)
