@@ -1,13 +1,16 @@
-"""The paper presets (experiments/paper/<size>/<arch>.yaml): every size and architecture the paper has, the spec's
-settings, parameter counts within 1 % of the paper's, and architectures of one size matched in everything else."""
+"""The paper presets (paper/<size>/<arch>: the size's experiments/paper/<size>/_base.yaml with model.arch=<arch>,
+made by the loader): every size and architecture the paper has, the spec's settings, parameter counts within 1 % of
+the paper's, architectures of one size matched in everything else, and a clear error for any other name."""
 
 from __future__ import annotations
 
 import pytest
 
+from satlab.cli.main import main
 from satlab.config.display import flatten
-from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
-from satlab.models import ARCHITECTURES, build_model, count_params
+from satlab.config.errors import ConfigError
+from satlab.config.loader import default_experiments_dir, experiment_family, list_experiments, load_experiment
+from satlab.models import ARCHITECTURES, build_model, count_params, label
 from satlab.models.config import PAPER_PARAM_COUNTS, SIZE_PRESETS
 
 # size -> (token budget, peak LR), from the spec's "Paper presets" table
@@ -25,11 +28,14 @@ def archs(size: str) -> list[str]:
 CASES = [(size, arch) for size in PAPER for arch in archs(size)]
 
 
-def test_every_size_and_architecture_has_a_preset() -> None:
+def test_every_size_and_architecture_has_a_preset_and_no_file_per_architecture() -> None:
     names = {n for n in list_experiments() if n.startswith("paper/")}
     expected = {f"paper/{size}/{arch}" for size, arch in CASES} | {f"paper/{s}/_base" for s in PAPER} | {"paper/base"}
     assert names == expected
     assert not any(f"paper/xl/{arch}" in names for arch in ARCHITECTURES if arch not in PAPER_XL)
+    files = sorted(p.relative_to(default_experiments_dir()).as_posix()
+                   for p in (default_experiments_dir() / "paper").rglob("*.yaml"))
+    assert files == ["paper/base.yaml", *sorted(f"paper/{s}/_base.yaml" for s in PAPER)]
 
 
 @pytest.mark.parametrize(("size", "arch"), CASES)
@@ -51,6 +57,7 @@ def test_architectures_of_a_size_share_every_other_setting(size: str) -> None:
     reference = matched(f"paper/{size}/_base")
     for arch in archs(size):
         assert matched(f"paper/{size}/{arch}") == reference, arch
+        assert experiment_family(f"paper/{size}/{arch}") == f"paper-{size}"
 
 
 @pytest.mark.parametrize("size", PAPER)
@@ -77,18 +84,54 @@ def test_the_released_configs_slips_are_matched_and_noted() -> None:
     xl = {arch: load_experiment(f"paper/xl/{arch}") for arch in archs("xl")}
     assert {c.model.n_heads for c in xl.values()} == {32}
     assert len({(c.optim.lr, c.train.global_batch_tokens) for c in xl.values()}) == 1
-    for path in ("medium/transformer", "xl/transformer", "xl/satformer"):
-        assert "slips" in (root / f"{path}.yaml").read_text(), path
+    for size in ("medium", "xl"):
+        assert "slips" in (root / size / "_base.yaml").read_text(), size
 
 
 @pytest.mark.parametrize(("size", "arch"), CASES)
 def test_each_preset_says_what_it_reproduces(size: str, arch: str) -> None:
-    text = (default_experiments_dir() / "paper" / size / f"{arch}.yaml").read_text()
+    description = load_experiment(f"paper/{size}/{arch}").description
+    setting = load_experiment(f"paper/{size}/_base").description  # "paper small (~130M), 5B tokens, peak LR 2e-3"
+    assert description.endswith(setting) and label(arch) in description
     if arch in PAPER_ARCHS:
-        assert text.startswith(f"# Reproduces the paper's {size} ")
-        assert "Paper presets" in text
+        assert description.startswith(f"reproduces the paper's {size} {label(arch)} run")
+        assert "2605.03953" in description
     else:  # not a reproduction: the paper's setting with a later baseline
-        assert text.startswith(f"# The paper's {size} ") and "did not run" in text and "docs/architectures.md" in text
+        assert description.startswith(f"the paper's {size} setting") and "did not run" in description
+        assert "docs/architectures.md" in description
+
+
+@pytest.mark.parametrize(("name", "fragments"), [
+    ("paper/small/satfromer", ["did you mean 'paper/small/satformer'", "paper/small/mhc", "every architecture"]),
+    ("paper/xl/denseformer", ["paper/xl/satformer", "the paper ran at xl", "paper/small/denseformer"]),
+    ("paper/xl/mhc", ["paper/xl/resformer", "paper/xl/transformer", "mhc is at paper/large/mhc"]),
+])
+def test_an_architecture_a_size_has_no_preset_for_is_a_clear_error(name: str, fragments: list[str], capsys,
+                                                                   tmp_path) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_experiment(name)
+    message = str(excinfo.value)
+    assert message.startswith(f"unknown experiment preset '{name}'")
+    assert [f for f in fragments if f not in message] == [], message
+    assert "paper/medium/" not in message.split("(paper/")[0]  # only the size's own presets are listed as valid
+    code = main(["train", f"experiment={name}", f"train.out_dir={tmp_path / 'runs'}", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("satlab train: error:") and name in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_base_chain_and_a_trial_files_absolute_base_reach_a_paper_preset(tmp_path) -> None:
+    """Sweeps name ``base: paper/small/satformer``; their trial files name it by its absolute path."""
+    absolute = default_experiments_dir().resolve() / "paper" / "xl" / "resformer.yaml"
+    for base in ("paper/xl/resformer", str(absolute)):
+        path = tmp_path / "child.yaml"
+        path.write_text(f"base: {base}\nname: child\noptim:\n  lr: 1.0e-4\n")
+        cfg = load_experiment(path)
+        assert (cfg.name, cfg.model.arch, cfg.model.size, cfg.optim.lr) == ("child", "resformer", "xl", 1e-4)
+        assert cfg.description.startswith("reproduces the paper's xl ResFormer run")
+    path.write_text("base: paper/xl/mhc\n")
+    with pytest.raises(ConfigError, match="child.yaml: base unknown preset 'paper/xl/mhc'.*the paper ran at xl"):
+        load_experiment(path)
 
 
 @pytest.mark.parametrize("size", PAPER)

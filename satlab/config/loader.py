@@ -24,6 +24,7 @@ from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
 from satlab.config.specs import existing, item_problem, named_file, read_mapping, short_path, user_path
 from satlab.config.structured import Layer, build, field_problems, short_repr
+from satlab.models.architecture import ARCHITECTURES
 from satlab.models.config import SIZE_PRESETS, resolve_model_config
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
@@ -38,6 +39,17 @@ _TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file
          "data.text_field": "the field of a row that holds its text", "data.hub_split": "a split name, e.g. train"}
 """Text settings an empty value would not mean anything for (the empty path would be the working directory)."""
 EXPERIMENT_KEYS = (*(f.name for f in dataclasses.fields(ExperimentConfig)), "base")
+
+# The paper presets: ``paper/<size>/<arch>`` is no file but ``paper/<size>/_base`` with ``model.arch=<arch>``
+# (:func:`paper_preset`), so the architectures of one size are matched in everything else by construction.
+PAPER_DIR = "paper"
+SIZE_BASE = "_base"
+PAPER = "SATFormer, arXiv 2605.03953"
+PAPER_ARCHS = ("transformer", "resformer", "satformer", "denseformer", "hyperconnections", "muddformer")
+"""The architectures the paper compared: their presets reproduce its runs; the registry's others came after it."""
+PAPER_SIZE_ARCHS: dict[str, tuple[str, ...]] = {"xl": ("transformer", "resformer", "satformer")}
+"""Sizes the paper ran for some of its architectures only (no dense baselines at xl): ``paper/<size>/<arch>``
+exists for these; at any other size, for every registered architecture."""
 
 
 def default_experiments_dir() -> Path:
@@ -62,15 +74,65 @@ def experiment_family(preset: str) -> str | None:
         relative = path.resolve().relative_to(root).with_suffix("")
     except ValueError:
         return None
-    if not path.is_file():
+    if not _is_preset(path, root):
         return None
     return "-".join(relative.parts[:-1]) or relative.name
 
 
 def list_experiments(experiments_dir: Path | None = None) -> list[str]:
-    """Preset names (``default``, ``tiny/satformer``, ...): every ``*.yaml`` under the experiments folder."""
+    """Preset names (``default``, ``tiny/satformer``, ...): every ``*.yaml`` under the experiments folder, and the
+    generated ``paper/<size>/<arch>`` (:func:`paper_preset`)."""
     root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
-    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob(f"*{PRESET_SUFFIX}"))
+    files = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob(f"*{PRESET_SUFFIX}")}
+    generated = {f"{PAPER_DIR}/{size}/{arch}" for size in paper_sizes(root) for arch in paper_archs(size)}
+    return sorted(files | generated)
+
+
+def paper_sizes(root: Path) -> list[str]:
+    """The sizes with a ``paper/<size>/_base.yaml`` under the experiments folder ``root``."""
+    return sorted(p.parent.name for p in (root / PAPER_DIR).glob(f"*/{SIZE_BASE}{PRESET_SUFFIX}") if p.is_file())
+
+
+def paper_archs(size: str) -> list[str]:
+    """The architectures with a ``paper/<size>/<arch>`` preset, in registry order (:data:`PAPER_SIZE_ARCHS`)."""
+    only = PAPER_SIZE_ARCHS.get(size)
+    return [arch for arch in ARCHITECTURES if only is None or arch in only]
+
+
+def paper_preset(path: Path, root: Path) -> tuple[Path, str, str] | None:
+    """``(size file, size, arch)`` when ``path`` is ``<root>/paper/<size>/<arch>.yaml`` of a generated preset: no
+    such file, the size's ``_base.yaml`` beside it, and an architecture of :func:`paper_archs`; else None."""
+    try:
+        parts = path.resolve().relative_to(root.resolve()).parts
+    except (ValueError, OSError, RuntimeError):  # elsewhere, or a symbolic link loop (an error for the reader to say)
+        return None
+    if len(parts) != 3 or parts[0] != PAPER_DIR or not parts[2].endswith(PRESET_SUFFIX) or path.is_file():
+        return None
+    size, arch = parts[1], parts[2].removesuffix(PRESET_SUFFIX)
+    size_file = root / PAPER_DIR / size / f"{SIZE_BASE}{PRESET_SUFFIX}"
+    return (size_file, size, arch) if arch in paper_archs(size) and size_file.is_file() else None
+
+
+def _paper_layer(size_file: Path, size: str, arch: str) -> Layer:
+    """What ``paper/<size>/<arch>`` adds to its size's ``_base.yaml``: ``model.arch``, the run name
+    ``paper-<size>-<arch>``, and a description of what it reproduces (the registry's label, the size's own
+    description)."""
+    label = ARCHITECTURES[arch].label
+    try:
+        setting = str(read_mapping(size_file, short_path(size_file), "experiment").get("description") or size)
+    except ConfigError:  # reported when the chain reads the file
+        setting = size
+    if arch in PAPER_ARCHS:
+        description = f"reproduces the paper's {size} {label} run ({PAPER}): {setting}"
+    else:
+        description = (f"the paper's {size} setting with a baseline the paper did not run, {label} "
+                       f"(docs/architectures.md): {setting}")
+    layer = {"name": f"{PAPER_DIR}-{size}-{arch}", "description": description, "model": {"arch": arch}}
+    return f"preset {PAPER_DIR}/{size}/{arch} ({SIZE_BASE} with model.arch={arch})", layer
+
+
+def _is_preset(path: Path, root: Path) -> bool:
+    return path.is_file() or paper_preset(path, root) is not None
 
 
 def load_experiment(
@@ -96,21 +158,37 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> Experim
 
 def experiment_path(experiment: str | Path, root: Path | None = None) -> Path:
     """The file of a preset name (``tiny/transformer``: looked up inside ``root``, the experiments folder, only) or
-    of a path (``./x.yaml``, ``/abs/x.yaml``, ``../x``: see :func:`~satlab.config.specs.user_path`)."""
+    of a path (``./x.yaml``, ``/abs/x.yaml``, ``../x``: see :func:`~satlab.config.specs.user_path`). For a paper
+    preset (``paper/small/satformer``) that file is not on disk: :func:`paper_preset` says what it holds."""
     root = default_experiments_dir() if root is None else root
     if not str(experiment).strip():
         raise ConfigError("the experiment is empty: give a preset name (default, tiny/satformer, ...) or the path of "
                           "a YAML file (./my.yaml)")
     if (as_path := user_path(experiment)) is not None:
-        return existing(as_path, "experiment", str(experiment))
+        generated = paper_preset(as_path, root) is not None  # a trial file's base: /abs/.../paper/small/x.yaml
+        return as_path if generated else existing(as_path, "experiment", str(experiment))
     path = named_file(root, str(experiment), PRESET_SUFFIX, "experiment preset")
-    if not path.is_file():
+    if not _is_preset(path, root):
         available = list_experiments(root)
         if not available:
             raise ConfigError(f"unknown experiment preset '{experiment}': no presets in {root} "
                               f"(set ${ENV_EXPERIMENTS_DIR}?)")
-        raise ConfigError(unknown_name("experiment preset", str(experiment), available) + f" (presets in {root})")
+        raise ConfigError(_unknown_preset("experiment preset", str(experiment), root) + f" (presets in {root})")
     return path
+
+
+def _unknown_preset(kind: str, name: str, root: Path) -> str:
+    """The message for a preset name that is not one: under ``paper/<size>/`` the architectures of that size (and
+    the sizes that have the one asked for), else every preset."""
+    parts = name.removesuffix(PRESET_SUFFIX).split("/")
+    if len(parts) != 3 or parts[0] != PAPER_DIR or parts[1] not in (sizes := paper_sizes(root)):
+        return unknown_name(kind, name, list_experiments(root))
+    size, arch = parts[1:]
+    which = f"the architectures the paper ran at {size}" if size in PAPER_SIZE_ARCHS else "every architecture"
+    elsewhere = [f"{PAPER_DIR}/{s}/{arch}" for s in sizes if arch in paper_archs(s)]
+    return (unknown_name(kind, name, [f"{PAPER_DIR}/{size}/{a}" for a in paper_archs(size)])
+            + f" ({PAPER_DIR}/{size}/<arch> is {PAPER_DIR}/{size}/{SIZE_BASE} with model.arch=<arch>, for {which}"
+            + (f"; {arch} is at {', '.join(elsewhere)}" if elsewhere else "") + ")")
 
 
 def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
@@ -125,6 +203,10 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
             problems.append(f"cycle in 'base:' chain: {cycle}")
             break
         seen.append(resolved)
+        if (generated := paper_preset(current, root)) is not None:
+            layers.append(_paper_layer(*generated))
+            current = generated[0]
+            continue
         data = _read_yaml(current, problems)
         if data is None:
             break
@@ -146,9 +228,8 @@ def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path 
     except ConfigError as e:
         problems.append(f"{short_path(child)}: {e}")
         return None
-    if not path.is_file():
-        problems.append(f"{short_path(child)}: base {unknown_name('preset', base, list_experiments(root))}"
-                        f" (looked for {path})")
+    if not _is_preset(path, root):
+        problems.append(f"{short_path(child)}: base {_unknown_preset('preset', base, root)} (looked for {path})")
         return None
     return path
 
