@@ -15,12 +15,10 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datasets.exceptions import DatasetGenerationError
 
 from satlab.config.errors import ConfigError, did_you_mean, unknown_name
 from satlab.config.schema import SOURCE_KINDS, DataConfig
@@ -33,6 +31,9 @@ from satlab.data.common import (
     stable_hash,
 )
 from satlab.data.corpora import CORPORA, corpus_identity, ensure_corpus
+
+if TYPE_CHECKING:
+    import datasets
 
 FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                 ".parquet": "parquet"}
@@ -151,9 +152,17 @@ def _first_undecodable(source: Source) -> ConfigError | None:
     return None
 
 
+def load_stream(*args: Any, **kwargs: Any) -> datasets.IterableDataset:
+    """``datasets.load_dataset(..., streaming=True)``, imported here: a run whose tokens are already prepared never
+    reads a source, and importing ``datasets`` (with pandas) costs about a second in every training process."""
+    import datasets
+
+    return datasets.load_dataset(*args, streaming=True, **kwargs)
+
+
 def _hub_stream(source: Source, cfg: DataConfig) -> Iterable[dict[str, Any]]:
     try:
-        stream = datasets.load_dataset(source.name, cfg.hub_config, split=cfg.hub_split, streaming=True)
+        stream = load_stream(source.name, cfg.hub_config, split=cfg.hub_split)
     except FileNotFoundError as e:  # DatasetNotFoundError included
         raise ConfigError(
             f"the Hugging Face hub has no dataset '{source.name}' (or it is gated and needs `hf auth login`, or it "
@@ -187,6 +196,8 @@ class Segment:
     def batches(self, size: int) -> Iterator[list[str | None]]:
         """The texts of ``size`` rows at a time (the last batch may be shorter; a non-string value as is), with
         read failures as ConfigErrors naming the source and a missing text field named with the fields there are."""
+        from datasets.exceptions import DatasetGenerationError
+
         try:
             for table in self.stream.iter(batch_size=size):
                 if self.text_field not in table.column_names:
@@ -251,7 +262,7 @@ def document_segments(source: Source, cfg: DataConfig,
     for fmt in sorted({_file_format(p) for p in source.files}):
         paths = [str(p) for p in source.files if _file_format(p) == fmt]
         extra = {"sample_by": "document"} if fmt == "text" else {}
-        stream = datasets.load_dataset(fmt, data_files=paths, split="train", streaming=True, **extra)
+        stream = load_stream(fmt, data_files=paths, split="train", **extra)
         segments.append(Segment(source, f"{fmt} files", stream, "text" if fmt == "text" else cfg.text_field))
     rows = None if None in counts else sum(counts)
     if first_use is not None:
@@ -264,7 +275,7 @@ def _corpus_segments(source: Source, folder: Path) -> list[Segment]:
 
 
 def _json_stream(paths: list[Path]) -> datasets.IterableDataset:
-    return datasets.load_dataset("json", data_files=[str(p) for p in paths], split="train", streaming=True)
+    return load_stream("json", data_files=[str(p) for p in paths], split="train")
 
 
 def train_texts(segments: list[Segment], val_fraction: float, counts: dict[str, int]) -> Iterator[list[str]]:

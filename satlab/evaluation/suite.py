@@ -17,14 +17,11 @@ from pathlib import Path
 from unittest.mock import patch
 from urllib.parse import urlparse
 
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from satlab.config.errors import ConfigError
 from satlab.data.corpora import CORPORA
 from satlab.data.tokenizer import TextTokenizer
-from satlab.evaluation.lm_adapter import SatlabLM
 from satlab.evaluation.tasks import (
     AVERAGES,
     FAMILIES,
@@ -75,7 +72,14 @@ def run_tasks(model: DecoderLM, tokenizer: TextTokenizer, tasks: Sequence[str], 
     ``progress=False`` hides the progress bars (lm-eval's included).
     The model is left in the train/eval mode it came in, and the global random generators are not reseeded (so
     a training run that evaluates midway keeps its random streams; the scoring itself draws no random numbers).
+    lm-eval is imported here, not with the module: it brings ``datasets`` and pandas, about a second and a half
+    in every training process, most of which never evaluate (``eval.at_end: false``).
     """
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from satlab.evaluation.lm_adapter import SatlabLM
+
     offline, hub = split_task_names(list(tasks))
     folder = None
     if offline:
