@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlflow
@@ -24,7 +25,7 @@ import pytest
 import yaml
 
 from satlab.config.errors import ConfigError
-from satlab.studies.attrs import LOG, PID, REASON, RETRY_OF, WORKER
+from satlab.studies.attrs import CELL, LOG, PID, REASON, RETRY_OF, WORKER
 from satlab.studies.loader import load_ablation
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG
@@ -138,11 +139,15 @@ def cell_losses(uri: str, spec_path: Path, only_runs: bool = True) -> dict[str, 
     return {r.data.tags[CELL_TAG]: r.data.metrics["val/loss"] for r in runs}
 
 
+def study_of(url: str, spec_path: Path) -> optuna.Study:
+    study_name = GridPlan(load_ablation(spec_path)).study_name()
+    return optuna.load_study(study_name=study_name, storage=open_storage(url, create_tables=False))
+
+
 def launched_trials(url: str, spec_path: Path) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    spec = load_ablation(spec_path)
-    plan = GridPlan(spec)
-    study = optuna.load_study(study_name=plan.study_name(), storage=open_storage(url, create_tables=False))
-    return {key: [t for t in trials if t.user_attrs.get(LOG)] for key, trials in plan.trials_by_cell(study).items()}
+    plan = GridPlan(load_ablation(spec_path))
+    trials = plan.trials_by_cell(study_of(url, spec_path)).items()
+    return {key: [t for t in cell_trials if t.user_attrs.get(LOG)] for key, cell_trials in trials}
 
 
 def test_two_hosts_share_an_ablation_grid_and_match_one_host(postgres, tmp_path, capsys):
@@ -157,6 +162,8 @@ def test_two_hosts_share_an_ablation_grid_and_match_one_host(postgres, tmp_path,
     trials = launched_trials(postgres("grid_a"), shared)
     assert all(len(t) == 1 and t[0].state.name == "COMPLETE" for t in trials.values()), trials  # each ran once
     assert len({t[0].user_attrs[WORKER] for t in trials.values()}) == 2  # both hosts ran cells
+    queued = Counter(t.user_attrs.get(CELL) for t in study_of(postgres("grid_a"), shared).trials)
+    assert {key: queued[key] for key in trials} == dict.fromkeys(trials, 1)  # set up at once, yet queued once
 
     alone = write_spec(tmp_path, "alone", store)
     started = time.monotonic()

@@ -20,8 +20,8 @@ from satlab.studies.spec import readable_value, short_label
 from satlab.training.tracking import default_tracking_uri
 from satlab.training.views import (
     COLOUR_TAG,
-    SHARE_TAG,
     PALETTE,
+    SHARE_TAG,
     arch_colour,
     comparison_state,
     comparison_url,
