@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 import mlflow
 import numpy as np
+import optuna
 import pytest
 import yaml
 from scipy import stats
@@ -24,8 +26,10 @@ from scipy import stats
 from satlab.cli.main import main as satlab_main
 from satlab.config.errors import ConfigError
 from satlab.studies.ablation_plots import tile_images
-from satlab.studies.engine import run_study
+from satlab.studies.attrs import CELL, PARENT_RUN
+from satlab.studies.engine import run_study, set_up_study
 from satlab.studies.loader import apply_items, list_specs, load_ablation, spec_from_dict
+from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
 from satlab.studies.spec import AblationSpec
 from satlab.studies.state import STATE_FILE, StudyState
@@ -40,6 +44,9 @@ from satlab.studies.stats import (
     paired_p,
     welch_p,
 )
+from satlab.studies.storage import open_storage
+from satlab.studies.workers import StaleTrialRetry
+from satlab.training.tracking import open_store, resolve_tracking
 
 MICRO = {  # a model that trains in seconds on a CPU
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -332,6 +339,69 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     assert satlab_main(["report", result.parent_run_id, "--tracking-uri", result.tracking_uri,
                         "--out", str(tmp_path / "by-id")]) == 0
     assert "gate_heatmaps.png" in (tmp_path / "by-id" / "report.md").read_text()
+
+
+def set_up_driver(spec: AblationSpec, url: str, host: Path) -> tuple[optuna.Study, str, dict[str, str]]:
+    """What a driver does before its workers start (study, parent run, queue), with a storage of its own, as a host
+    has."""
+    tracking = resolve_tracking(open_store(spec.base_config().tracking.uri), None)
+    retry = StaleTrialRetry(spec.trial.max_retry)
+    return set_up_study(spec, GridPlan(spec), open_storage(url, spec.trial, retry), mlflow.MlflowClient(tracking[0]),
+                        tracking, retry, StudyState(host / STATE_FILE))
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning", "ignore:Heartbeat:UserWarning")
+def test_an_ablation_queues_its_cells_seeds_slowest_and_never_samples_them(tmp_path: Path) -> None:
+    """Workers pop the queue first in, first out, so the cells run in run order, seeds slowest (an interrupted
+    ablation leaves whole replicates). A queued cell's values are fixed parameters: the ablation's sampler, which
+    fails when asked, is never asked; a trial started on an empty queue has no cell. Of two running trials of one
+    cell, the later steps aside."""
+    spec = load_ablation(write_micro_spec(tmp_path))
+    study, _, done = set_up_driver(spec, f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "host0")
+    plan = GridPlan(spec)
+    assert done == {} and plan.next_action(study, 0, 0) == "run" and plan.next_action(study, 0, 4) == "wait"
+    trials = [study.ask() for _ in spec.cells()]
+    popped = [plan.cell(plan.suggest(trial)) for trial in trials]
+    assert [c.seed for c in popped] == [0, 0, 1, 1]
+    assert [c.key for c in popped] == [c.key for c in spec.run_order()]
+    assert plan.next_action(study, 0, 0) == "wait"  # all four running: one may die and be queued again
+    study.enqueue_trial(dict(popped[0].values), user_attrs={CELL: popped[0].key})  # a cell queued twice
+    twin = study.ask()
+    assert plan.is_duplicate(study, twin, plan.suggest(twin))  # the later of its two trials steps aside
+    assert not plan.is_duplicate(study, trials[0], plan.suggest(trials[0]))  # the earlier does not
+    stray = study.ask()  # what a worker on another host gets when it finds the queue empty
+    assert plan.cell_key(stray) is None
+    with pytest.raises(RuntimeError, match="run queued cells"):
+        plan.suggest(stray)
+    for trial in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(trial.number, 1.0)
+    assert plan.next_action(study, 0, 0) == "done"
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_second_driver_joins_the_queue_without_queueing_the_cells_again(tmp_path: Path, monkeypatch) -> None:
+    """Two drivers set up one ablation at once on one storage, as two hosts do: the one that creates the study
+    queues the cells and only then records the parent run, which the other waits for; each cell is queued once. A
+    driver started later (a resume) queues none either."""
+    spec = load_ablation(write_micro_spec(tmp_path))
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    open_storage(url)  # the tables made once, before the drivers race to make them
+    mlflow.MlflowClient(open_store(spec.base_config().tracking.uri)).search_experiments()  # and the MLflow store
+    calls: list[str] = []
+    enqueue, set_user_attr = optuna.Study.enqueue_trial, optuna.Study.set_user_attr
+    monkeypatch.setattr(optuna.Study, "enqueue_trial",
+                        lambda self, *args, **kwargs: (calls.append("enqueue"), enqueue(self, *args, **kwargs))[1])
+    monkeypatch.setattr(optuna.Study, "set_user_attr",
+                        lambda self, key, value: (calls.append(key), set_user_attr(self, key, value))[1])
+    with ThreadPoolExecutor(2) as pool:
+        drivers = list(pool.map(lambda host: set_up_driver(spec, url, tmp_path / host), ["host0", "host1"]))
+    drivers.append(set_up_driver(spec, url, tmp_path / "host2"))
+    study = optuna.load_study(study_name=GridPlan(spec).study_name(), storage=url)
+    assert {parent for _, parent, _ in drivers} == {study.user_attrs[PARENT_RUN]}
+    assert {key: len(trials) for key, trials in GridPlan(spec).trials_by_cell(study).items()} == \
+        {c.key: 1 for c in spec.cells()}
+    assert len(study.trials) == calls.count("enqueue") == 4
+    assert calls.index(PARENT_RUN) > max(i for i, call in enumerate(calls) if call == "enqueue")
 
 
 @pytest.mark.slow

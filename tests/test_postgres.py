@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlflow
@@ -24,7 +25,7 @@ import pytest
 import yaml
 
 from satlab.config.errors import ConfigError
-from satlab.studies.attrs import LOG, PID, REASON, RETRY_OF, WORKER
+from satlab.studies.attrs import CELL, LOG, PID, REASON, RETRY_OF, WORKER
 from satlab.studies.engine import run_study
 from satlab.studies.loader import load_ablation
 from satlab.studies.plans import GridPlan
@@ -139,11 +140,15 @@ def cell_losses(uri: str, spec_path: Path, only_runs: bool = True) -> dict[str, 
     return {r.data.tags[CELL_TAG]: r.data.metrics["val/loss"] for r in runs}
 
 
+def study_of(url: str, spec_path: Path) -> optuna.Study:
+    study_name = GridPlan(load_ablation(spec_path)).study_name()
+    return optuna.load_study(study_name=study_name, storage=open_storage(url, create_tables=False))
+
+
 def launched_trials(url: str, spec_path: Path) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    spec = load_ablation(spec_path)
-    plan = GridPlan(spec)
-    study = optuna.load_study(study_name=plan.study_name(), storage=open_storage(url, create_tables=False))
-    return {key: [t for t in trials if t.user_attrs.get(LOG)] for key, trials in plan.trials_by_cell(study).items()}
+    plan = GridPlan(load_ablation(spec_path))
+    trials = plan.trials_by_cell(study_of(url, spec_path)).items()
+    return {key: [t for t in cell_trials if t.user_attrs.get(LOG)] for key, cell_trials in trials}
 
 
 def test_two_hosts_share_an_ablation_grid_one_killed_mid_cell_and_match_one_host(postgres, tmp_path, capsys,
@@ -183,6 +188,9 @@ def test_two_hosts_share_an_ablation_grid_one_killed_mid_cell_and_match_one_host
     assert len({t.user_attrs[WORKER] for t in trials}) == 2  # both hosts ran cells
     others = [ts for ts in by_cell.values() if lost[0].number not in {t.number for t in ts}]
     assert others and all(len(ts) == 1 and ts[0].state.name == "COMPLETE" for ts in others)  # launched once
+    lost_cell = next(key for key, ts in by_cell.items() if lost[0].number in {t.number for t in ts})
+    queued = Counter(t.user_attrs.get(CELL) for t in study_of(url, shared).trials)
+    assert queued == {key: 2 if key == lost_cell else 1 for key in by_cell}  # set up at once, yet queued once
 
     alone = write_spec(tmp_path, "alone", store)
     monkeypatch.chdir(tmp_path)  # the third host's disk

@@ -76,7 +76,11 @@ def api(app, path: str) -> dict:
 
 
 def study_detail(storage, study: optuna.Study) -> dict:
-    return api(wsgi(storage), f"/api/studies/{study._study_id}")
+    """The study's page, found by its name in the dashboard's list of studies (as its frontend does)."""
+    app = wsgi(storage)
+    (study_id,) = [s["study_id"] for s in api(app, "/api/studies")["study_summaries"]
+                   if s["study_name"] == study.study_name]
+    return api(app, f"/api/studies/{study_id}")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from satlab.studies.loader import spec_from_dict
 from satlab.studies.plans import make_pruner
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
 from satlab.studies.spec import KINDS, SweepSpec
-from satlab.studies.storage import open_storage
+from satlab.studies.storage import open_storage, trial_id
 from satlab.training.launch import pid_alive
 from satlab.training.run import train
 
@@ -55,14 +55,14 @@ def run_trial(experiment: str) -> int:
     cfg = load_experiment(experiment)
     storage = open_storage(os.environ[A.STORAGE_ENV], create_tables=False)
     name = cfg.tracking.tags[STUDY_TAG]
-    info = storage.get_study_user_attrs(storage.get_study_id_from_name(name))
+    study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler(),
+                              pruner=optuna.pruners.NopPruner())  # the trial reports; it samples nothing
+    info = study.user_attrs
     spec = spec_from_dict(KINDS[info[A.KIND]], info[A.SPEC], f"the spec stored on study {name}")
     search = isinstance(spec, SweepSpec)
-    pruner = make_pruner(spec) if search else optuna.pruners.NopPruner()
-    study = optuna.load_study(study_name=name, storage=storage, sampler=optuna.samplers.RandomSampler(),
-                              pruner=pruner)
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, int(cfg.tracking.tags[TRIAL_TAG]))
-    trial = optuna.Trial(study, trial_id)
+    if search:
+        study.pruner = make_pruner(spec)
+    trial = optuna.Trial(study, trial_id(storage, name, int(cfg.tracking.tags[TRIAL_TAG])))
     rank_zero = int(os.environ.get("RANK", "0")) == 0
 
     def record(reason: str) -> None:

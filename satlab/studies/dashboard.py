@@ -24,7 +24,8 @@ from satlab.studies.best import best_trial
 from satlab.studies.plans import CONSTRAINT, FEASIBLE
 from satlab.studies.spec import SweepSpec
 
-NOTE_HASH = "satlab:note_sha256"  # study system attr: the note satlab last wrote (a note edited since is kept)
+NOTE_HASH = "satlab:note_sha256"  # study user attr: the note satlab last wrote (a note edited since is kept). A user
+# attr, as Optuna has no public call for a study's system attrs (where the dashboard keeps the note itself)
 
 
 class FeasibleBestStorage(RDBStorage):
@@ -89,11 +90,11 @@ def write_note(study: optuna.Study, spec: SweepSpec) -> bool:
         return False
     body = study_note(spec)
     current = get_note(study)
-    written = study._storage.get_study_system_attrs(study._study_id).get(NOTE_HASH)
+    written = study.user_attrs.get(NOTE_HASH)
     if current == body or (current and _sha256(current) != written):
         return False
     save_note(study, body)
-    study._storage.set_study_system_attr(study._study_id, NOTE_HASH, _sha256(body))
+    study.set_user_attr(NOTE_HASH, _sha256(body))
     return True
 
 

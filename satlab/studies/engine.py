@@ -16,7 +16,6 @@ from pathlib import Path
 
 import mlflow
 import optuna
-from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning
 from optuna.trial import TrialState
 from rich.console import Console
@@ -104,16 +103,11 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     prepare_data_once(spec, base, console)
     uri, artifacts = tracking
     client = mlflow.MlflowClient(open_store(uri))
-    study, created = open_study(spec, plan, rdb)
-    parent_id = retry.parent_run_id = ensure_parent_run(client, study, spec, uri, artifacts, created)
-    view_url = publish_study_view(client, spec, parent_id, uri)
-    retry.client = client
     state = StudyState(Path(spec.out_dir) / STATE_FILE)
-    state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
-    runner = TrialRunner(spec, plan, study, client, parent_id, uri, state, workers, console)
-    fail_dead_local_trials(study, retry)
+    study, parent_id, done = set_up_study(spec, plan, rdb, client, tracking, retry, state)
+    view_url = publish_study_view(client, spec, parent_id, uri)
+    runner = TrialRunner(spec, plan, study, rdb, client, parent_id, uri, state, workers, console)
     grid = isinstance(plan, GridPlan)
-    done = reconcile_cells(study, plan, client, parent_id, state) if grid else {}
     before = f"{len(plan.cells)} cells, {len(done)} finished before, " if grid else f"{plan.n_trials} trial(s) to add, "
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
@@ -138,6 +132,28 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     for label, value in rows:
         console.print(f"{label}: {value}", soft_wrap=True)
     return result
+
+
+def set_up_study(spec: StudySpec, plan: Plan, rdb: optuna.storages.RDBStorage, client: mlflow.MlflowClient,
+                 tracking: tuple[str, str | None], retry: StaleTrialRetry,
+                 state: StudyState) -> tuple[optuna.Study, str, dict[str, str]]:
+    """Create or join the study and its MLflow parent run, fail this host's dead trials and (an ablation) queue the
+    cells; returns the study, the parent run and the cells finished before (key -> run id).
+
+    A new study's parent run is recorded on it last, and a host that joins waits for that record
+    (:func:`ensure_parent_run`): it then finds the cells queued and queues none again. Were both to queue them at
+    once, each cell would be queued twice (``enqueue_trial``'s ``skip_if_exists`` reads, then writes)."""
+    uri, artifacts = tracking
+    study, created = open_study(spec, plan, rdb)
+    parent_id, recorded = ensure_parent_run(client, study, rdb, spec, uri, artifacts, created)
+    retry.client, retry.parent_run_id = client, parent_id
+    state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
+    fail_dead_local_trials(study, rdb, retry)
+    done = reconcile_cells(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
+    if not recorded:
+        study.set_user_attr(A.PARENT_RUN, parent_id)
+        study.set_user_attr(A.TRACKING_URI, uri)
+    return study, parent_id, done
 
 
 def publish_study_view(client: mlflow.MlflowClient, spec: StudySpec, parent_id: str, tracking_uri: str) -> str:
@@ -198,52 +214,59 @@ def open_study(spec: StudySpec, plan: Plan, storage: optuna.storages.RDBStorage)
     return study, created
 
 
-def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, spec: StudySpec, tracking_uri: str,
-                      artifacts: str | None, created: bool) -> str:
-    """The parent run recorded on the study (a joining host waits for the creator to record it), else a new one."""
+def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, storage: optuna.storages.BaseStorage,
+                      spec: StudySpec, tracking_uri: str, artifacts: str | None, created: bool) -> tuple[str, bool]:
+    """The parent run recorded on the study (a joining host waits for the creator to record it), else one from before
+    or a new one, for the caller to record once the study is set up (:func:`set_up_study`); and whether it is
+    recorded. Each look loads the study anew from ``storage``: the creator's attributes, not a copy of ours."""
     deadline = time.monotonic() + (0 if created else 60)
     while True:
-        attrs = optuna.load_study(study_name=study.study_name, storage=study._storage).user_attrs
+        attrs = optuna.load_study(study_name=study.study_name, storage=storage).user_attrs
         run_id = attrs.get(A.PARENT_RUN)
-        if run_id and attrs.get(A.TRACKING_URI) == tracking_uri and usable_run(client, run_id) is not None:
+        recorded = bool(run_id) and attrs.get(A.TRACKING_URI) == tracking_uri and usable_run(client, run_id) is not None
+        if recorded:
             break
         if run_id or time.monotonic() >= deadline:  # recorded for another store, deleted, or never recorded
             found = find_parent_run(client, spec) if isinstance(spec, AblationSpec) else None  # one from before
             run_id = found.info.run_id if found is not None else create_parent_run(client, spec, artifacts)
-            study.set_user_attr(A.PARENT_RUN, run_id)
-            study.set_user_attr(A.TRACKING_URI, tracking_uri)
             break
         time.sleep(1.0)
     client.update_run(run_id, status="RUNNING")
     save_spec(client, run_id, spec)
-    return run_id
+    return run_id, recorded
 
 
 def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,
                     state: StudyState) -> dict[str, str]:
-    """MLflow's FINISHED cell runs are the record: a finished cell the study has no trial for (a parent run from
-    before the study existed) is entered as COMPLETE; a cell that ran but has no FINISHED run (failed, interrupted,
-    or its run deleted to redo it) gets a new WAITING trial. Returns the finished cells (key -> run id)."""
+    """The ablation's queue, cell by cell in run order (seeds slowest, so an interrupted ablation leaves whole
+    replicates): workers pop the oldest waiting trial, and a queued trial's values are fixed, never sampled
+    (:class:`satlab.studies.plans.QueuedCells`). A cell with no trial yet is queued (``enqueue_trial``; its cell key
+    as a user attr, its values being set only once it runs). MLflow's FINISHED cell runs are the record: a finished
+    cell the study has no complete trial for (a parent run from before the study existed, or a grid that grew, whose
+    study is new) is entered as COMPLETE; a cell that ran but has no FINISHED run (failed, interrupted, or its run
+    deleted to redo it) is queued again, as Optuna's retry does (``failed_trial``). Returns the finished cells
+    (key -> run id)."""
     done = finished_cells(client, parent_id)
-    for key, trials in plan.trials_by_cell(study).items():
+    by_cell = plan.trials_by_cell(study)
+    for cell in plan.spec.run_order():
+        key, trials, params = cell.key, by_cell[cell.key], dict(cell.values)
         if key in done:
-            state.update(key, slug=plan.cells[key].slug, status="finished", run_id=done[key])
+            state.update(key, slug=cell.slug, status="finished", run_id=done[key])
             if not any(t.state == TrialState.COMPLETE for t in trials):
-                params = dict(plan.cells[key].values)
                 loss = client.get_run(done[key]).data.metrics.get("val/loss")
                 study.add_trial(optuna.trial.create_trial(  # the value is not what a grid reads; keep it finite
                     state=TrialState.COMPLETE, value=loss if loss is not None and loss == loss else 0.0, params=params,
-                    distributions={k: CategoricalDistribution(v) for k, v in plan.spec.axes.items()},
-                    system_attrs=plan.sampler().system_attrs(params), user_attrs={A.RUN_ID: done[key]}))
+                    distributions=plan.distributions(), user_attrs={A.CELL: key, A.RUN_ID: done[key]}))
             continue
-        if not trials or any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
+        if not trials:
+            study.enqueue_trial(params, user_attrs={A.CELL: key}, skip_if_exists=True)
+            continue
+        if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
             continue
         last = trials[-1]
         study.add_trial(optuna.trial.create_trial(
-            state=TrialState.WAITING, params=last.params, distributions=last.distributions,
+            state=TrialState.WAITING, params=params, distributions=plan.distributions(), user_attrs={A.CELL: key},
             system_attrs={**last.system_attrs, "failed_trial": last.number}))
         superseded = set(study.user_attrs.get(A.SUPERSEDED, [])) | {t.number for t in trials}
         study.set_user_attr(A.SUPERSEDED, sorted(superseded))  # finished trials cannot be marked themselves
     return done
-
-

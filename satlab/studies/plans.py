@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
-from satlab.studies.attrs import ARCH, IGNORED, SUPERSEDED
+from satlab.studies.attrs import ARCH, CELL, IGNORED, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
 from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value, short_label
+from satlab.studies.storage import trial_id
 from satlab.training.views import COLOUR_TAG, arch_colour, colour
 
 CONSTRAINT = "gate_saturation"
@@ -71,18 +73,24 @@ class _SameArchitecture:
         return getattr(self._study, name)
 
 
-class CellGrid(optuna.samplers.GridSampler):
-    """GridSampler in the spec's cell order, seeds slowest, so an interrupted ablation leaves whole replicates.
-    GridSampler shuffles its grid and has no option for the order, so the list is set here (``_all_grids``)."""
+class QueuedCells(optuna.samplers.BaseSampler):
+    """The sampler of an ablation's study, which samples nothing. Each cell is queued as a trial with its values
+    (``Study.enqueue_trial``, in the spec's run order: :func:`satlab.studies.engine.reconcile_cells`), and a queued
+    trial's values are fixed parameters, which ``Trial`` takes without asking the sampler; a worker pops the oldest
+    waiting trial, so the cells run in that order. (Optuna's GridSampler shuffles its grid and has no option for the
+    order.) A trial that finds the queue empty is set aside before it asks for anything (``TrialRunner``); should one
+    ask all the same, this fails it rather than make up a cell."""
 
-    def __init__(self, spec: AblationSpec):
-        super().__init__({k: list(v) for k, v in spec.axes.items()}, seed=0)
-        self._all_grids = [tuple(dict(c.values)[k] for k in self._param_names) for c in spec.run_order()]
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
+        return {}
 
-    def system_attrs(self, params: dict[str, Any]) -> dict[str, Any]:
-        """What GridSampler records on a trial of ``params`` (to enter a finished cell by hand)."""
-        point = tuple(params[k] for k in self._param_names)
-        return {"search_space": self._search_space, "grid_id": self._all_grids.index(point)}
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: Any) -> Any:
+        raise RuntimeError(f"trial {trial.number} of an ablation asked for '{param_name}', but an ablation's trials "
+                           f"run queued cells, whose values are given")
 
 
 class SearchPlan:
@@ -126,7 +134,7 @@ class SearchPlan:
     def study_name(self) -> str:
         return self.spec.name
 
-    def next_action(self, study: optuna.Study, launched: int) -> str:
+    def next_action(self, study: optuna.Study, launched: int, starting: int) -> str:
         """``run`` a trial, ``wait`` for other workers' trials, or ``done``."""
         return "run" if launched < self.n_trials else "done"
 
@@ -137,19 +145,23 @@ class SearchPlan:
         (Optuna's older format, which Optuna still reads too), so the value is recorded both ways. Optuna then sees
         the value twice; feasibility and TPE's ranking of infeasible trials (by their summed violation) are the
         same. An observing guard (``action: observe``) records none: its trials stay feasible, so that the sweep's
-        best trial is the one without the guard and the guard's would-be decisions can be judged against it."""
+        best trial is the one without the guard and the guard's would-be decisions can be judged against it. The
+        list is a trial system attr, which Optuna's public calls no longer write (Trial's ``set_system_attr`` is
+        gone, TPE's ``constraints_func`` deprecated), so it goes through the trial's storage."""
         guard = self.spec.saturation
         if guard.threshold is None or not guard.constraint or guard.action == "observe":
             return
         value = float(saturation or 0.0) - guard.threshold
-        trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [value])
+        storage = trial.storage
+        storage.set_trial_system_attr(trial_id(storage, trial.study.study_name, trial.number), DASHBOARD_CONSTRAINTS,
+                                      [value])
         trial.set_constraint(CONSTRAINT, value)
         trial.set_user_attr(FEASIBLE, value <= 0.0)
 
 
 class GridPlan:
-    """An ablation: each cell once; a worker with none left waits while others train (one may die and need a
-    retry)."""
+    """An ablation: each cell once, from a queue in run order; a worker with none left waits while others train (one
+    may die, and its cell be queued again)."""
 
     def __init__(self, spec: AblationSpec):
         self.spec = spec
@@ -165,7 +177,7 @@ class GridPlan:
         return f"{self.spec.name}.{self.spec.fingerprint()}.{grid}"
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        return CellGrid(self.spec)
+        return QueuedCells()
 
     def pruner(self) -> optuna.pruners.BasePruner:
         return optuna.pruners.NopPruner()
@@ -176,8 +188,20 @@ class GridPlan:
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         return {k: trial.suggest_categorical(k, v) for k, v in self.spec.axes.items()}
 
+    def distributions(self) -> dict[str, CategoricalDistribution]:
+        """What :meth:`suggest` asks for, for a trial entered by hand."""
+        return {k: CategoricalDistribution(v) for k, v in self.spec.axes.items()}
+
     def cell(self, params: dict[str, Any]) -> Cell:
         return self.cells[" ".join(f"{k}={format_value(params[k])}" for k in self.spec.axes)]
+
+    def cell_key(self, trial: FrozenTrial | optuna.Trial) -> str | None:
+        """The trial's cell: given when it was queued (a queued trial has its values only once it runs), else read
+        from its values (a trial of a study from before cells were queued). None for a trial that found no cell."""
+        key = trial.user_attrs.get(CELL)
+        if key is None and self.spec.axes.keys() <= trial.params.keys():
+            key = self.cell(trial.params).key
+        return key
 
     def point(self, trial: optuna.Trial, params: dict[str, Any]) -> Point:
         cell = self.cell(params)
@@ -188,25 +212,28 @@ class GridPlan:
         """Each cell's trials, less those that do not count (duplicates, superseded)."""
         out: dict[str, list[FrozenTrial]] = {key: [] for key in self.cells}
         superseded = set(study.user_attrs.get(SUPERSEDED, []))
-        for trial in study.get_trials(deepcopy=False):  # another worker's newest trial may have only some axes yet
-            if self.spec.axes.keys() <= trial.params.keys() and not trial.user_attrs.get(IGNORED) \
-                    and trial.number not in superseded:
-                out[self.cell(trial.params).key].append(trial)
+        for trial in study.get_trials(deepcopy=False):
+            key = self.cell_key(trial)
+            if key is not None and not trial.user_attrs.get(IGNORED) and trial.number not in superseded:
+                out[key].append(trial)
         return out
 
-    def next_action(self, study: optuna.Study, launched: int) -> str:
-        trials = self.trials_by_cell(study)
-        states = {t.state for ts in trials.values() for t in ts}
-        if TrialState.WAITING in states or any(not ts for ts in trials.values()):
+    def next_action(self, study: optuna.Study, launched: int, starting: int) -> str:
+        """``run`` while the queue holds more trials than the ``starting`` workers of this driver are about to pop,
+        ``wait`` while trials run (a worker may die and its cell be queued again), else ``done``. A cell is queued
+        when the study is set up; a trial that a worker starts on an empty queue would have no cell."""
+        states = [t.state for ts in self.trials_by_cell(study).values() for t in ts]
+        if states.count(TrialState.WAITING) > starting:
             return "run"
-        return "wait" if TrialState.RUNNING in states else "done"
+        return "wait" if TrialState.RUNNING in states or TrialState.WAITING in states else "done"
 
     def is_duplicate(self, study: optuna.Study, trial: optuna.Trial, params: dict[str, Any]) -> bool:
-        """Two workers can be handed one cell at the same moment (GridSampler gives out a running cell once none
-        is left); the later one steps aside."""
+        """Whether another trial has the cell: a finished one, or a running one with a lower number. A cell queued
+        twice (two drivers requeueing it at once, say) can have two running trials; the later one steps aside
+        whichever of the two checks first, so one of them runs (were each to yield to the other, neither would)."""
         key = self.cell(params).key
-        return any(t.number != trial.number and t.state in (TrialState.RUNNING, TrialState.COMPLETE)
-                   for t in self.trials_by_cell(study)[key])
+        return any(t.state == TrialState.COMPLETE or (t.state == TrialState.RUNNING and t.number < trial.number)
+                   for t in self.trials_by_cell(study)[key] if t.number != trial.number)
 
 
 def group_colours(values: list[dict[str, Any]], groups: list[str]) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Any
 import optuna
 import sqlalchemy
 from optuna.exceptions import ExperimentalWarning
-from optuna.storages import RDBStorage
+from optuna.storages import BaseStorage, RDBStorage
 from optuna.trial import FrozenTrial
 
 from satlab.config.errors import ConfigError
@@ -58,6 +58,14 @@ def open_storage(url: str, settings: TrialSettings | None = None,
     if url.startswith("sqlite"):
         serialize_sqlite(storage.engine)
     return storage
+
+
+def trial_id(storage: BaseStorage, study_name: str, number: int) -> int:
+    """The storage's id of trial ``number`` of a study: what ``optuna.Trial(study, id)`` takes (a trial process
+    reporting to the trial its driver started) and the storage's per-trial calls (an attribute on a trial of another
+    process, or one Optuna's Trial no longer sets). Study, Trial and FrozenTrial keep it private (``_trial_id``); the
+    storage's own interface (BaseStorage, which the storage classes implement) looks it up by study name and number."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study_name), number)
 
 
 def check_sqlite_file(url: str, create_folder: bool) -> None:

@@ -21,7 +21,7 @@ import optuna
 import yaml
 from mlflow.exceptions import MlflowException
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
@@ -33,6 +33,7 @@ from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
 from satlab.studies.runs import PARENT_TAG, STUDY_TAG, TRIAL_TAG, close_trial_run, end_run, read_run_id, usable_run
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.state import StudyState
+from satlab.studies.storage import trial_id
 from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
 
 
@@ -40,20 +41,27 @@ class TrialFailed(Exception):
     """A trial ended without a value; its reason is on the trial. Caught by ``study.optimize``: the study goes on."""
 
 
-def fail_dead_local_trials(study: optuna.Study, retry: StaleTrialRetry) -> None:
+def fail_dead_local_trials(study: optuna.Study, storage: BaseStorage, retry: StaleTrialRetry) -> None:
     """Fail and retry the RUNNING trials of a dead driver on this host now, rather than after the heartbeat's grace
-    period (trials of other hosts are left to their heartbeats)."""
+    period (trials of other hosts are left to their heartbeats). The reason goes on the trial through ``storage``,
+    the study's: Optuna has no call for an attribute of a trial that another process runs."""
     host = socket.gethostname()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker_host, _, pid = str(trial.user_attrs.get(A.WORKER, "")).rpartition(":")
         if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             try:
-                study._storage.set_trial_user_attr(trial._trial_id, A.REASON, "worker_lost")
-                failed = study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-            except UpdateFinishedTrialError:  # its heartbeat check, here or on another host, came first
+                storage.set_trial_user_attr(trial_id(storage, study.study_name, trial.number), A.REASON,
+                                            "worker_lost")
+                failed = study.tell(trial.number, state=TrialState.FAIL)
+            except (UpdateFinishedTrialError, ValueError):  # its heartbeat check, here or on another host, came first
                 continue
-            if failed:
-                retry(study, study._storage.get_trial(trial._trial_id))
+            retry(study, failed)
+
+
+def trial_now(study: optuna.Study, number: int) -> FrozenTrial:
+    """Trial ``number`` as the storage has it now (its trial process writes attributes; a running trial is not
+    cached)."""
+    return next(t for t in study.get_trials(deepcopy=False) if t.number == number)
 
 
 class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
@@ -77,9 +85,11 @@ class StaleTrialRetry(RetryHeartbeatStaleTrialCallback):
 class TrialRunner:
     """Optuna's objective: one trial process per call, in a worker slot (CPU threads, GPUs) of its own."""
 
-    def __init__(self, spec: StudySpec, plan: Plan, study: optuna.Study, client: mlflow.MlflowClient,
-                 parent_id: str, tracking_uri: str, state: StudyState, workers: int, console: Console):
+    def __init__(self, spec: StudySpec, plan: Plan, study: optuna.Study, storage: BaseStorage,
+                 client: mlflow.MlflowClient, parent_id: str, tracking_uri: str, state: StudyState, workers: int,
+                 console: Console):
         self.spec, self.plan, self.study, self.client, self.parent_id = spec, plan, study, client, parent_id
+        self.storage = storage
         self.tracking_uri, self.state, self.workers, self.console = tracking_uri, state, workers, console
         self.threads = spec.trial.threads or max(1, (os.cpu_count() or 1) // workers)
         self.slots: queue.Queue[int] = queue.Queue()
@@ -89,6 +99,8 @@ class TrialRunner:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs, self.stopping, self.lock = ProcessGroup(), threading.Event(), threading.Lock()
         self.launched = 0
+        self.starting = 0  # workers told to run that have not popped their trial yet
+        self.local = threading.local()
         self.finished: list[str] = []
         self.failures: dict[str, str] = {}
 
@@ -126,24 +138,40 @@ class TrialRunner:
         while not self.stopping.is_set():
             # before Optuna's heartbeat check (here, and when optimize() starts a trial), which fails a stale trial
             # without a reason: a dead driver on this host is seen at once, and its trial failed as worker_lost
-            fail_dead_local_trials(self.study, retry)
-            with self.lock:
-                action = self.plan.next_action(self.study, self.launched)
+            fail_dead_local_trials(self.study, self.storage, retry)
+            with self.lock:  # counted so that two workers here do not both go for the last queued cell
+                action = self.plan.next_action(self.study, self.launched, self.starting)
                 self.launched += action == "run"
+                self.starting += action == "run"
             if action == "done":
                 return
             if action == "wait":
                 optuna.storages.fail_stale_trials(self.study)
                 time.sleep(self.spec.trial.heartbeat_seconds)
                 continue
-            self.study.optimize(self, n_trials=1, catch=(TrialFailed,), callbacks=[self.on_trial_end])
+            self.local.starting = True
+            try:
+                self.study.optimize(self, n_trials=1, catch=(TrialFailed,), callbacks=[self.on_trial_end])
+            finally:
+                self.popped()
+
+    def popped(self) -> None:
+        """This worker's trial has left the queue (or optimize ended before it began)."""
+        if getattr(self.local, "starting", False):
+            self.local.starting = False
+            with self.lock:
+                self.starting -= 1
 
     def __call__(self, trial: optuna.Trial) -> float:
-        retry_of = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial.storage.get_trial(trial._trial_id))
+        self.popped()
+        retry_of = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial_now(self.study, trial.number))
         if retry_of is not None:  # a retried trial inherits the stale one's user attrs: start this attempt clean
             for key in A.ATTEMPT_ATTRS:
                 trial.set_user_attr(key, None)
             trial.set_user_attr(A.RETRY_OF, retry_of)
+        if isinstance(self.plan, GridPlan) and self.plan.cell_key(trial) is None:
+            trial.set_user_attr(A.IGNORED, "no cell left")  # another host popped the last queued cell first
+            raise optuna.TrialPruned("no cell left: another worker took the last one")
         params = self.plan.suggest(trial)
         if isinstance(self.plan, GridPlan) and self.plan.is_duplicate(self.study, trial, params):
             trial.set_user_attr(A.IGNORED, "duplicate")
@@ -165,7 +193,7 @@ class TrialRunner:
             returncode, timed_out = self.execute(path, cfg, slot, log_file)
         finally:
             self.slots.put(slot)
-        values = trial.storage.get_trial(trial._trial_id).user_attrs  # fresh: the trial process wrote them
+        values = trial_now(self.study, trial.number).user_attrs  # the trial process wrote them
         if isinstance(self.plan, SearchPlan) and returncode in (A.EXIT_COMPLETE, A.EXIT_PRUNED):
             self.plan.record_constraint(trial, values.get(A.SATURATION))
         if returncode == A.EXIT_COMPLETE and values.get(A.VALUE) is not None:
