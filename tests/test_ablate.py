@@ -26,13 +26,12 @@ from scipy import stats
 from satlab.cli.main import main as satlab_main
 from satlab.config.errors import ConfigError
 from satlab.studies.ablation_plots import tile_images
-from satlab.studies.attrs import CELL, PARENT_RUN
+from satlab.studies.attrs import CELL, PARENT_RUN, REASON
 from satlab.studies.engine import run_study, set_up_study
 from satlab.studies.loader import apply_items, list_specs, load_ablation, spec_from_dict
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
 from satlab.studies.spec import AblationSpec
-from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.stats import (
     best_verdict,
     compare,
@@ -312,11 +311,8 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     assert (len(adopted_all.skipped), adopted_all.finished) == (4, [])
     assert adopted_all.parent_run_id == result.parent_run_id and finished_children(client, result.parent_run_id) == runs
 
-    state = StudyState(spec.out_path() / STATE_FILE)
     adopted, redo = spec.cells()[0].key, spec.cells()[3].key
-    state.forget(adopted)  # the state file alone lost: MLflow still records the cell, so it is not rerun
-    state.forget(redo)
-    client.delete_run(runs[redo])  # the cell's MLflow record gone too: it is rerun
+    client.delete_run(runs[redo])  # the cell's MLflow record gone: it is rerun
     grown = load_ablation(write_micro_spec(tmp_path), ["axes.train.seed=[0, 1, 2]"])  # and the grid grows a seed
     third = run_study(grown, workers=2, report=False)  # (Optuna's choices change: a study of its own)
     assert sorted(third.finished) == sorted([redo, *(c.key for c in grown.cells() if c.seed == 2)])
@@ -325,7 +321,9 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     after = finished_children(client, result.parent_run_id)
     assert after[redo] != runs[redo] and {k: v for k, v in after.items() if k in runs and k != redo} == \
         {k: v for k, v in runs.items() if k != redo}
-    assert StudyState(spec.out_path() / STATE_FILE).cells[adopted]["status"] == "finished"
+    plan = GridPlan(grown)  # what `satlab ablate --dry-run` shows: the new study holds the adopted cells too
+    status = plan.cell_status(plan.recorded_study())
+    assert status[adopted] == status[redo] == "finished" and set(status.values()) == {"finished"}
 
     heatmap = tmp_path / "heatmap.png"
     plt.imsave(heatmap, np.random.default_rng(0).random((10, 10)))
@@ -341,13 +339,13 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     assert "gate_heatmaps.png" in (tmp_path / "by-id" / "report.md").read_text()
 
 
-def set_up_driver(spec: AblationSpec, url: str, host: Path) -> tuple[optuna.Study, str, dict[str, str]]:
+def set_up_driver(spec: AblationSpec, url: str) -> tuple[optuna.Study, str, dict[str, str]]:
     """What a driver does before its workers start (study, parent run, queue), with a storage of its own, as a host
     has."""
     tracking = resolve_tracking(open_store(spec.base_config().tracking.uri), None)
     retry = StaleTrialRetry(spec.trial.max_retry)
     return set_up_study(spec, GridPlan(spec), open_storage(url, spec.trial, retry), mlflow.MlflowClient(tracking[0]),
-                        tracking, retry, StudyState(host / STATE_FILE))
+                        tracking, retry)
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning", "ignore:Heartbeat:UserWarning")
@@ -356,9 +354,11 @@ def test_an_ablation_queues_its_cells_seeds_slowest_and_never_samples_them(tmp_p
     ablation leaves whole replicates). A queued cell's values are fixed parameters: the ablation's sampler, which
     fails when asked, is never asked; a trial started on an empty queue has no cell. Of two running trials of one
     cell, the later steps aside."""
-    spec = load_ablation(write_micro_spec(tmp_path))
-    study, _, done = set_up_driver(spec, f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "host0")
+    spec, url = load_ablation(write_micro_spec(tmp_path)), f"sqlite:///{tmp_path / 'optuna.db'}"
     plan = GridPlan(spec)
+    assert plan.recorded_study(url) is None and set(plan.cell_status(None).values()) == {"not run"}
+    study, _, done = set_up_driver(spec, url)
+    assert set(plan.cell_status(plan.recorded_study(url)).values()) == {"queued"}  # what `ablate --dry-run` prints
     assert done == {} and plan.next_action(study, 0, 0) == "run" and plan.next_action(study, 0, 4) == "wait"
     trials = [study.ask() for _ in spec.cells()]
     popped = [plan.cell(plan.suggest(trial)) for trial in trials]
@@ -373,9 +373,14 @@ def test_an_ablation_queues_its_cells_seeds_slowest_and_never_samples_them(tmp_p
     assert plan.cell_key(stray) is None
     with pytest.raises(RuntimeError, match="run queued cells"):
         plan.suggest(stray)
+    assert set(plan.cell_status(study).values()) == {"running"}
+    trials[1].set_user_attr(REASON, "out of memory")  # as a worker records a failure
+    study.tell(trials[1].number, state=optuna.trial.TrialState.FAIL)
     for trial in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)):
         study.tell(trial.number, 1.0)
     assert plan.next_action(study, 0, 0) == "done"
+    assert plan.cell_status(study) == {c.key: "failed (out of memory)" if c.key == popped[1].key else "finished"
+                                       for c in spec.cells()}
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -394,8 +399,8 @@ def test_a_second_driver_joins_the_queue_without_queueing_the_cells_again(tmp_pa
     monkeypatch.setattr(optuna.Study, "set_user_attr",
                         lambda self, key, value: (calls.append(key), set_user_attr(self, key, value))[1])
     with ThreadPoolExecutor(2) as pool:
-        drivers = list(pool.map(lambda host: set_up_driver(spec, url, tmp_path / host), ["host0", "host1"]))
-    drivers.append(set_up_driver(spec, url, tmp_path / "host2"))
+        drivers = list(pool.map(lambda _: set_up_driver(spec, url), range(2)))
+    drivers.append(set_up_driver(spec, url))
     study = optuna.load_study(study_name=GridPlan(spec).study_name(), storage=url)
     assert {parent for _, parent, _ in drivers} == {study.user_attrs[PARENT_RUN]}
     assert {key: len(trials) for key, trials in GridPlan(spec).trials_by_cell(study).items()} == \
@@ -413,12 +418,11 @@ def test_a_killed_ablation_resumes_only_the_unfinished_cells(tmp_path: Path) -> 
     command = [sys.executable, "-m", "satlab.cli.main", "ablate", str(path), "train.max_tokens=16384",
                "train.val_every_tokens=4096", "--no-report"]
     driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state_file = spec.out_path() / STATE_FILE
+    plan = GridPlan(spec)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        cells = json.loads(state_file.read_text())["cells"] if state_file.exists() else {}
-        if sum(c.get("status") == "finished" for c in cells.values()) == 1 and \
-                any(c.get("status") == "running" for c in cells.values()):
+        status = list(plan.cell_status(plan.recorded_study()).values())
+        if status.count("finished") == 1 and "running" in status:
             break
         time.sleep(0.5)
     else:

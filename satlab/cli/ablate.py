@@ -9,8 +9,8 @@ from rich.table import Table
 from satlab.config.errors import EXIT_REQUEUE, ConfigError
 from satlab.console import console as make_console
 from satlab.studies.loader import load_ablation
+from satlab.studies.plans import GridPlan
 from satlab.studies.spec import AblationSpec
-from satlab.studies.state import STATE_FILE, StudyState
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     spec = load_ablation(args.spec, args.overrides)
     if args.dry_run:
-        print_grid(spec)
+        print_grid(spec, args.storage)
         return 0
     from satlab.studies.engine import run_study
 
@@ -32,12 +32,13 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_REQUEUE if result.interrupted else 1 if result.failed else 0
 
 
-def print_grid(spec: AblationSpec) -> None:
-    """The cells in run order, with the status the state file records (MLflow is not opened)."""
-    state = StudyState(spec.out_path() / STATE_FILE)
+def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
+    """The cells in run order, with the status the study records (MLflow is not opened)."""
+    plan = GridPlan(spec)
+    status = plan.cell_status(plan.recorded_study(storage))
     table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
     for column in ("#", "cell", "group", "status"):
         table.add_column(column)
     for i, cell in enumerate(spec.run_order(), 1):
-        table.add_row(str(i), cell.slug, cell.group, state.cells.get(cell.key, {}).get("status", "not run"))
+        table.add_row(str(i), cell.slug, cell.group, status[cell.key])
     make_console().print(table)

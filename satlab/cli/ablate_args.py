@@ -19,5 +19,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Optuna storage of the grid (default sqlite:///<out_dir>/optuna.db); the same "
                              "postgresql://user:password@host/db on several hosts makes them share the cells")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the grid and what the state file says of each cell; run nothing")
+                        help="print the grid and what the study records of each cell; run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")

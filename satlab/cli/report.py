@@ -14,11 +14,12 @@ from mlflow.exceptions import MlflowException
 
 from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
+from satlab.studies import attrs as A
 from satlab.studies.ablation_report import write_report
 from satlab.studies.loader import load_ablation, spec_from_dict
+from satlab.studies.plans import GridPlan
 from satlab.studies.runs import find_parent_run, usable_run
 from satlab.studies.spec import AblationSpec
-from satlab.studies.state import STATE_FILE, StudyState
 from satlab.training.tracking import resolve_tracking
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -37,10 +38,11 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
         client = mlflow.MlflowClient(tracking_uri or resolve_tracking(None, None)[0])
         return stored_spec(client, target), client, target
     spec = load_ablation(target)
-    state = StudyState(spec.out_path() / STATE_FILE)
-    uri = tracking_uri or state.tracking_uri or resolve_tracking(spec.base_config().tracking.uri, None)[0]
+    study = GridPlan(spec).recorded_study()
+    recorded = study.user_attrs if study is not None else {}
+    uri = tracking_uri or recorded.get(A.TRACKING_URI) or resolve_tracking(spec.base_config().tracking.uri, None)[0]
     client = mlflow.MlflowClient(uri)
-    parent = usable_run(client, state.parent_run_id) if state.tracking_uri == uri else None
+    parent = usable_run(client, recorded.get(A.PARENT_RUN)) if recorded.get(A.TRACKING_URI) == uri else None
     parent = parent or find_parent_run(client, spec) or find_parent_run(client, spec, same_settings=False)
     if parent is None:
         raise ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "

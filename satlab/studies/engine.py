@@ -35,7 +35,6 @@ from satlab.studies.runs import (
     usable_run,
 )
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
-from satlab.studies.state import STATE_FILE, StudyState
 from satlab.studies.storage import open_storage, safe_url
 from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local_trials
 from satlab.training.chatter import library_chatter_to
@@ -103,10 +102,9 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     prepare_data_once(spec, base, console)
     uri, artifacts = tracking
     client = mlflow.MlflowClient(open_store(uri))
-    state = StudyState(Path(spec.out_dir) / STATE_FILE)
-    study, parent_id, done = set_up_study(spec, plan, rdb, client, tracking, retry, state)
+    study, parent_id, done = set_up_study(spec, plan, rdb, client, tracking, retry)
     view_url = publish_study_view(client, spec, parent_id, uri)
-    runner = TrialRunner(spec, plan, study, rdb, client, parent_id, uri, state, workers, console)
+    runner = TrialRunner(spec, plan, study, rdb, client, parent_id, uri, workers, console)
     grid = isinstance(plan, GridPlan)
     before = f"{len(plan.cells)} cells, {len(done)} finished before, " if grid else f"{plan.n_trials} trial(s) to add, "
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
@@ -135,8 +133,7 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
 
 
 def set_up_study(spec: StudySpec, plan: Plan, rdb: optuna.storages.RDBStorage, client: mlflow.MlflowClient,
-                 tracking: tuple[str, str | None], retry: StaleTrialRetry,
-                 state: StudyState) -> tuple[optuna.Study, str, dict[str, str]]:
+                 tracking: tuple[str, str | None], retry: StaleTrialRetry) -> tuple[optuna.Study, str, dict[str, str]]:
     """Create or join the study and its MLflow parent run, fail this host's dead trials and (an ablation) queue the
     cells; returns the study, the parent run and the cells finished before (key -> run id).
 
@@ -147,9 +144,8 @@ def set_up_study(spec: StudySpec, plan: Plan, rdb: optuna.storages.RDBStorage, c
     study, created = open_study(spec, plan, rdb)
     parent_id, recorded = ensure_parent_run(client, study, rdb, spec, uri, artifacts, created)
     retry.client, retry.parent_run_id = client, parent_id
-    state.set_parent(spec.name, parent_id, uri, spec.experiment_name)
     fail_dead_local_trials(study, rdb, retry)
-    done = reconcile_cells(study, plan, client, parent_id, state) if isinstance(plan, GridPlan) else {}
+    done = reconcile_cells(study, plan, client, parent_id) if isinstance(plan, GridPlan) else {}
     if not recorded:
         study.set_user_attr(A.PARENT_RUN, parent_id)
         study.set_user_attr(A.TRACKING_URI, uri)
@@ -236,8 +232,8 @@ def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, storage:
     return run_id, recorded
 
 
-def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient, parent_id: str,
-                    state: StudyState) -> dict[str, str]:
+def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient,
+                    parent_id: str) -> dict[str, str]:
     """The ablation's queue, cell by cell in run order (seeds slowest, so an interrupted ablation leaves whole
     replicates): workers pop the oldest waiting trial, and a queued trial's values are fixed, never sampled
     (:class:`satlab.studies.plans.QueuedCells`). A cell with no trial yet is queued (``enqueue_trial``; its cell key
@@ -251,7 +247,6 @@ def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowCl
     for cell in plan.spec.run_order():
         key, trials, params = cell.key, by_cell[cell.key], dict(cell.values)
         if key in done:
-            state.update(key, slug=cell.slug, status="finished", run_id=done[key])
             if not any(t.state == TrialState.COMPLETE for t in trials):
                 loss = client.get_run(done[key]).data.metrics.get("val/loss")
                 study.add_trial(optuna.trial.create_trial(  # the value is not what a grid reads; keep it finite

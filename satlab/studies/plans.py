@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,10 +15,10 @@ from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
-from satlab.studies.attrs import ARCH, CELL, IGNORED, SUPERSEDED
+from satlab.studies.attrs import ARCH, CELL, IGNORED, REASON, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
 from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value, short_label
-from satlab.studies.storage import trial_id
+from satlab.studies.storage import open_storage, trial_id
 from satlab.training.views import COLOUR_TAG, arch_colour, colour
 
 CONSTRAINT = "gate_saturation"
@@ -217,6 +218,32 @@ class GridPlan:
             if key is not None and not trial.user_attrs.get(IGNORED) and trial.number not in superseded:
                 out[key].append(trial)
         return out
+
+    def recorded_study(self, storage: str | None = None) -> optuna.Study | None:
+        """The ablation's study as its storage holds it, or None where it never ran; nothing is created. The study
+        is the one record of an ablation's progress (each cell queued, running, finished or failed, why, on which
+        host, its log) and names the parent run; MLflow is the record of results, and of which cells finished for
+        good (:func:`satlab.studies.engine.reconcile_cells`)."""
+        url = storage or self.spec.storage or self.spec.storage_url()
+        if url.startswith("sqlite:///") and not os.path.isfile(url.removeprefix("sqlite:///")):
+            return None
+        try:
+            return optuna.load_study(study_name=self.study_name(), storage=open_storage(url, create_tables=False))
+        except KeyError:  # no study of this name (a grid that grew has not run yet)
+            return None
+
+    def cell_status(self, study: optuna.Study | None) -> dict[str, str]:
+        """Each cell's state as its latest trial records it: finished, running, failed (with why), queued or
+        not run."""
+        names = {TrialState.COMPLETE: "finished", TrialState.RUNNING: "running", TrialState.WAITING: "queued",
+                 TrialState.FAIL: "failed", TrialState.PRUNED: "pruned"}
+        status = dict.fromkeys(self.cells, "not run")
+        for key, trials in (self.trials_by_cell(study) if study is not None else {}).items():
+            if trials:
+                last = max(trials, key=lambda t: t.number)
+                why = last.user_attrs.get(REASON) if last.state in (TrialState.FAIL, TrialState.PRUNED) else None
+                status[key] = names[last.state] + (f" ({why})" if why else "")
+        return status
 
     def next_action(self, study: optuna.Study, launched: int, starting: int) -> str:
         """``run`` while the queue holds more trials than the ``starting`` workers of this driver are about to pop,

@@ -32,7 +32,6 @@ from satlab.studies import attrs as A
 from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
 from satlab.studies.runs import PARENT_TAG, STUDY_TAG, TRIAL_TAG, close_trial_run, end_run, read_run_id, usable_run
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
-from satlab.studies.state import StudyState
 from satlab.studies.storage import trial_id
 from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
 
@@ -86,11 +85,10 @@ class TrialRunner:
     """Optuna's objective: one trial process per call, in a worker slot (CPU threads, GPUs) of its own."""
 
     def __init__(self, spec: StudySpec, plan: Plan, study: optuna.Study, storage: BaseStorage,
-                 client: mlflow.MlflowClient, parent_id: str, tracking_uri: str, state: StudyState, workers: int,
-                 console: Console):
+                 client: mlflow.MlflowClient, parent_id: str, tracking_uri: str, workers: int, console: Console):
         self.spec, self.plan, self.study, self.client, self.parent_id = spec, plan, study, client, parent_id
         self.storage = storage
-        self.tracking_uri, self.state, self.workers, self.console = tracking_uri, state, workers, console
+        self.tracking_uri, self.workers, self.console = tracking_uri, workers, console
         self.threads = spec.trial.threads or max(1, (os.cpu_count() or 1) // workers)
         self.slots: queue.Queue[int] = queue.Queue()
         for slot in range(workers):
@@ -184,7 +182,6 @@ class TrialRunner:
         trial.set_user_attr(A.ARCH, cfg.model.arch)
         run_dir = Path(cfg.train.out_dir) / cfg.name
         resumed = point.resume == "auto" and prepare_run_dir(self.client, run_dir)
-        self.state.update(point.key, slug=point.slug, status="running", log=str(log_file), run_dir=str(run_dir))
         retry = f" (retry of trial {retry_of})" if retry_of is not None else ""
         self.console.print(f"trial {trial.number:>3} {'resumed' if resumed else 'started'}{retry}: "
                            f"{format_params(params)}  [dim]{log_file}[/]", soft_wrap=True)
@@ -254,10 +251,9 @@ class TrialRunner:
         reason = trial.user_attrs.get(A.REASON) if trial.state.name != "COMPLETE" else None
         log = trial.user_attrs.get(A.LOG)
         try:
-            run_id = close_trial_run(self.client, self.parent_id, self.spec.name, trial,
-                                     trial.user_attrs.get(A.RUN_ID), reason, Path(log) if log else None)
+            close_trial_run(self.client, self.parent_id, self.spec.name, trial, trial.user_attrs.get(A.RUN_ID), reason,
+                            Path(log) if log else None)
         except MlflowException as e:
-            run_id = None
             self.console.print(f"[yellow]could not close the MLflow run of trial {trial.number}: {e}[/]")
         status = {"COMPLETE": "finished", "PRUNED": "pruned"}.get(trial.state.name, "failed")
         if reason == "interrupted":
@@ -267,7 +263,6 @@ class TrialRunner:
         else:
             self.finished.append(point.key)
         minutes = trial.duration.total_seconds() / 60 if trial.duration else 0.0
-        self.state.update(point.key, status=status, run_id=run_id, reason=reason, minutes=round(minutes, 2))
         style = {"COMPLETE": "green", "PRUNED": "yellow"}.get(trial.state.name, "red")
         tokens = trial.user_attrs.get(A.TOKENS)
         outcome = f"val/loss {trial.value:.4f}" if isinstance(self.plan, GridPlan) and trial.value is not None else \
