@@ -17,9 +17,9 @@ from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, flatten, print_config, to_yaml
 from satlab.config.errors import ConfigError
 from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
+from satlab.config.model import ModelConfig, resolve_model_config
 from satlab.config.schema import ExperimentConfig
 from satlab.models import ARCHITECTURES, build_model
-from satlab.models.config import ModelConfig, resolve_model_config
 
 
 def write(path: Path, text: str) -> Path:
@@ -285,3 +285,26 @@ def test_print_config_renders_the_yaml() -> None:
     print_config(load_experiment("tiny/muddformer"), console=console)
     out = console.file.getvalue()
     assert "tiny-muddformer" in out and "arch: muddformer" in out and "global_batch_tokens: 8192" in out
+
+
+HEAVY = ("torch", "lightning", "mlflow", "optuna", "datasets", "lm_eval", "pandas", "scipy")
+
+
+def test_help_and_a_checked_config_import_no_framework() -> None:
+    """`satlab --help` builds every command's arguments, and a preset is loaded, checked and printed, without
+    importing torch, Lightning, MLflow, Optuna or the data and evaluation libraries (importing Lightning alone
+    takes about ten seconds): the configuration sits below the model zoo."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from satlab.cli.main import build_parser\n"
+            "from satlab.config.loader import load_experiment\n"
+            "from satlab.config.display import print_config\n"
+            "from satlab.studies.loader import load_ablation, load_sweep\n"
+            "build_parser().parse_args(['train', 'model.arch=mhc'])\n"
+            "print_config(load_experiment('paper/small/satformer', ['model.satformer.gate_fn=sigmoid']))\n"
+            "load_ablation('arch_tiny'); load_sweep('lr_tiny')\n"
+            f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "HEAVY []"

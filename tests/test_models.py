@@ -10,17 +10,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from satlab.config.archs.satformer import GATE_GRANULARITIES
 from satlab.config.errors import ConfigError
+from satlab.config.gate_functions import GATE_FUNCTIONS
+from satlab.config.model import PAPER_PARAM_COUNTS
 from satlab.models import (
     ARCHITECTURES,
-    GATE_FUNCTIONS,
     build_model,
     count_params,
     flops_per_token,
     non_embedding_params,
 )
-from satlab.models.archs.satformer import GATE_GRANULARITIES
-from satlab.models.config import PAPER_PARAM_COUNTS
 
 SMALL = dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=97, max_seq_len=64)
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from satlab.config.loader import load_experiment
+from satlab.config.model import ModelConfig
 from satlab.config.schema import MQARConfig
 from satlab.data.mqar import BLOCK, IGNORE_INDEX, MQARBatches, MQARTask, generate
-from satlab.models import ARCHITECTURES, ModelConfig, build_model
+from satlab.models import ARCHITECTURES, build_model
 from satlab.training.checkpoint import load_checkpoint
 from satlab.training.run import train
 

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from satlab.config.errors import ConfigError
+from satlab.config.model import MIXING_IMPLS
 from satlab.config.resume import resume_problems
 from satlab.config.schema import ExperimentConfig
 from satlab.models import ARCHITECTURES, build_model
 from satlab.models.archs.hyperconnections import HyperConnection
 from satlab.models.archs.mhc import sinkhorn
 from satlab.models.depth_buffer import DepthBuffer, DepthList, depth_buffer
-from satlab.models.layers import MIXING_IMPLS, handwritten, rms_linear, rms_norm
+from satlab.models.layers import handwritten, rms_linear, rms_norm
 from satlab.models.streams import ResidualStream, stream_read, stream_write
 
 IMPLS = ("reference", "handwritten")

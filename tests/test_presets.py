@@ -10,8 +10,8 @@ from satlab.cli.main import main
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError
 from satlab.config.loader import default_experiments_dir, experiment_family, list_experiments, load_experiment
+from satlab.config.model import PAPER_PARAM_COUNTS, SIZE_PRESETS
 from satlab.models import ARCHITECTURES, build_model, count_params, label
-from satlab.models.config import PAPER_PARAM_COUNTS, SIZE_PRESETS
 
 # size -> (token budget, peak LR), from the spec's "Paper presets" table
 PAPER = {"small": (5_000_000_000, 2e-3), "medium": (10_000_000_000, 1.5e-3), "large": (20_000_000_000, 1e-3),

@@ -3,6 +3,7 @@ in `satlab archs`, config validation, the bench, the ablation report and the par
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import satlab.config.archs
+import satlab.models.archs
 from satlab.cli.archs import archs_table
+from satlab.config.archs import ARCH_SPECS, ArchSpec, declare
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.console import console
@@ -40,11 +44,30 @@ class ScaledResidual(ResidualStream):
 
 @pytest.fixture
 def toy():
-    before = dict(ARCHITECTURES)
-    yield register(Architecture("toy", "Toy", "the residual branch times a learned scalar", stream=ScaledResidual,
-                                extra_params=lambda cfg: 1, exact_start={}))
-    ARCHITECTURES.clear()
-    ARCHITECTURES.update(before)
+    """Declared (what it is) and registered (its depth loop), as the two modules of an architecture do."""
+    declared, registered = dict(ARCH_SPECS), dict(ARCHITECTURES)
+    declare(ArchSpec("toy", "Toy", "the residual branch times a learned scalar", extra_params=lambda cfg: 1,
+                     exact_start={}))
+    yield register("toy", stream=ScaledResidual)
+    for registry, before in ((ARCH_SPECS, declared), (ARCHITECTURES, registered)):
+        registry.clear()
+        registry.update(before)
+
+
+def test_every_declared_architecture_is_implemented_and_nothing_else_is() -> None:
+    """An architecture is its declaration (satlab/config/archs/<name>.py, read without torch) and its implementation
+    (satlab/models/archs/<name>.py), in the same order; an implementation of something not declared is refused."""
+    assert list(ARCHITECTURES) == list(ARCH_SPECS)
+    for name, arch in ARCHITECTURES.items():
+        declared = {f.name: getattr(arch, f.name) for f in dataclasses.fields(ArchSpec)}
+        assert isinstance(arch, Architecture) and ArchSpec(**declared) == ARCH_SPECS[name]
+
+    def modules(package) -> set[str]:
+        return {p.stem for p in Path(package.__file__).parent.glob("*.py")} - {"__init__"}
+
+    assert modules(satlab.config.archs) == modules(satlab.models.archs)
+    with pytest.raises(ConfigError, match="cannot implement architecture 'toy': it is not declared"):
+        register("toy", stream=ScaledResidual)
 
 
 def test_a_toy_registered_at_run_time_builds_validates_and_lists(toy):

@@ -20,9 +20,9 @@ from rich.console import Console
 from torch import nn
 
 from satlab.config.errors import ConfigError
+from satlab.config.gate_functions import GATE_FUNCTIONS, GateFunction
 from satlab.evaluation.callback import EvaluationCallback
 from satlab.evaluation.gates import analyze_gates, gate_bounds, head_saturation
-from satlab.models.gate_functions import GATE_FUNCTIONS, GateFunction
 from satlab.studies.attrs import RUN_ID, SATURATION, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
 from satlab.studies.best import is_feasible
 from satlab.studies.callbacks import TrialCallback, TrialStopped

@@ -49,7 +49,7 @@ def plot_depth_sweep(sweep: dict[int, list[BenchResult]], path: Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from satlab.models import label
+    from satlab.config.archs import label
 
     depths = sorted(sweep)
     fig, ax = plt.subplots(figsize=(8.5, 4.5))

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from satlab.config.errors import ConfigError, unknown_name
-    from satlab.models import SIZE_PRESETS
+    from satlab.config.model import SIZE_PRESETS
 
     if args.size not in SIZE_PRESETS:
         raise ConfigError(unknown_name("size (--size)", args.size, SIZE_PRESETS))

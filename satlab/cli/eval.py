@@ -16,11 +16,47 @@ from rich.console import Console
 from rich.table import Table
 
 from satlab.cli.devices import device_problem
-from satlab.cli.eval_args import parse_settings
-from satlab.config.errors import ConfigError
+from satlab.config.errors import ConfigError, did_you_mean
 from satlab.evaluation.tasks import chance_level, split_task_names
 
 RUN_INFO = "run.json"
+
+SETTINGS = {
+    "ckpt": "checkpoint file or run directory (required), e.g. runs/default",
+    "tasks": "satlab_offline (default), paper_zero_shot, paper_retrieval or a comma list of task names",
+    "limit": "items per task (offline: how many are generated; hub tasks: lm-eval's limit)",
+    "device": "cpu (default), cuda, cuda:1, ...",
+    "batch_size": "sequences per forward pass (default 32)",
+    "seed": "seed of the generated offline items (default 0)",
+    "threads": "torch CPU threads (default: one per core; 1 is much faster for tiny models on a busy machine)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("settings", nargs="*", metavar="key=value",
+                        help="; ".join(f"{key}: {text}" for key, text in SETTINGS.items()))
+    parser.add_argument("--json", metavar="PATH", help="also write the results to this JSON file")
+    parser.add_argument("--no-mlflow", action="store_true",
+                        help="do not log into the checkpoint's MLflow run (by default the results go there when "
+                             "the run directory holds a run.json)")
+
+
+def parse_settings(items: list[str]) -> dict[str, str]:
+    """``key=value`` items as a dict; every malformed or unknown item is reported at once."""
+    settings, problems = {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            problems.append(f"'{item}' is not key=value; valid keys: {', '.join(SETTINGS)}")
+        elif key not in SETTINGS:
+            problems.append(f"unknown setting '{key}'{did_you_mean(key, SETTINGS)}; valid: {', '.join(SETTINGS)}")
+        else:
+            settings[key] = value
+    if "ckpt" not in settings:
+        problems.append("ckpt=<checkpoint file or run directory> is required, e.g. satlab eval ckpt=runs/default")
+    if problems:
+        raise ConfigError(problems)
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:

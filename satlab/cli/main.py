@@ -1,11 +1,11 @@
-"""`satlab <command>`: the one console script. Each command's module is imported only when it runs, so `--help`
-stays instant (importing Lightning alone takes about ten seconds)."""
+"""`satlab <command>`: the one console script. A command's module declares its arguments and imports what it runs
+with (torch, Lightning, MLflow, Optuna) only inside ``run``, so ``--help`` stays instant: importing Lightning alone
+takes about ten seconds (``tests/test_config.py`` checks that no command's module imports them)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 # command -> (module under satlab.cli, one-line help)
@@ -26,20 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(_module=module)
-        _add_arguments(module, command)
+        importlib.import_module(f"satlab.cli.{module}").add_arguments(command)
     return parser
-
-
-def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
-    """Arguments are declared by each command module; light modules are imported here, heavy ones declare theirs
-    in a separate `*_args` module."""
-    args_module = importlib.import_module(f"satlab.cli.{module}_args" if _has_args_module(module) else
-                                          f"satlab.cli.{module}")
-    args_module.add_arguments(parser)
-
-
-def _has_args_module(module: str) -> bool:
-    return importlib.util.find_spec(f"satlab.cli.{module}_args") is not None
 
 
 def main(argv: list[str] | None = None) -> int:

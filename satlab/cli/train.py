@@ -7,13 +7,33 @@ import sys
 
 from rich.table import Table
 
-from satlab.cli.train_args import split_experiment
 from satlab.config.derived import derive_schedule
 from satlab.config.display import print_config
 from satlab.config.errors import EXIT_REQUEUE
 from satlab.config.loader import load_experiment
 from satlab.console import console as make_console
 from satlab.training.machine import resolve_precision
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="experiment=<preset name or YAML path> (default: default), then any config overrides, "
+                             "e.g. model.arch=transformer optim.lr=1e-3 train.max_tokens=5e5")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config before training")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config, sizes, FLOPs, derived steps and a time estimate; no training")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (for logs and CI)")
+
+
+def split_experiment(overrides: list[str]) -> tuple[str, list[str]]:
+    """The `experiment=` argument (default 'default') and the remaining overrides."""
+    experiment, rest = "default", []
+    for item in overrides:
+        if item.startswith("experiment="):
+            experiment = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return experiment, rest
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +83,6 @@ def print_evaluation(metrics: dict[str, float]) -> None:
     if "system/eval_wall_seconds" in metrics:
         console.print(f"evaluation time: {metrics['system/eval_wall_seconds']:.1f} s"
                       + (f" (model time per task: {', '.join(times)})" if times else ""))
-
 
 
 def print_plan(cfg) -> None:

@@ -20,12 +20,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
 from satlab.config.specs import existing, item_problem, named_file, read_mapping, short_path, user_path
 from satlab.config.structured import Layer, build, field_problems, short_repr
-from satlab.models.architecture import ARCHITECTURES
-from satlab.models.config import SIZE_PRESETS, resolve_model_config
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
@@ -96,7 +96,7 @@ def paper_sizes(root: Path) -> list[str]:
 def paper_archs(size: str) -> list[str]:
     """The architectures with a ``paper/<size>/<arch>`` preset, in registry order (:data:`PAPER_SIZE_ARCHS`)."""
     only = PAPER_SIZE_ARCHS.get(size)
-    return [arch for arch in ARCHITECTURES if only is None or arch in only]
+    return [arch for arch in ARCH_SPECS if only is None or arch in only]
 
 
 def paper_preset(path: Path, root: Path) -> tuple[Path, str, str] | None:
@@ -117,7 +117,7 @@ def _paper_layer(size_file: Path, size: str, arch: str) -> Layer:
     """What ``paper/<size>/<arch>`` adds to its size's ``_base.yaml``: ``model.arch``, the run name
     ``paper-<size>-<arch>``, and a description of what it reproduces (the registry's label, the size's own
     description)."""
-    label = ARCHITECTURES[arch].label
+    label = ARCH_SPECS[arch].label
     try:
         setting = str(read_mapping(size_file, short_path(size_file), "experiment").get("description") or size)
     except ConfigError:  # reported when the chain reads the file

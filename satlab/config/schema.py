@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from satlab.config.model import MAX_VOCAB, ModelConfig
 from satlab.config.structured import in_range
-from satlab.models.config import MAX_VOCAB, ModelConfig
 
 TOKENIZER_KINDS = ("byte", "bpe", "hub")
 SOURCE_KINDS = ("auto", "corpus", "files", "hub")

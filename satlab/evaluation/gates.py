@@ -9,7 +9,7 @@ like ``dead_share``; "elements" are the gate values of one (layer, head): tokens
 - *sparsity*: the share of elements with ``|g| < tol`` (the issue's "exactly zero or < 1e-3" at the default tol).
   Signed gate functions (tanh, identity) count by magnitude.
 - *saturation*: by the rule of the gate function in the table (:attr:`GateFunction.saturates
-  <satlab.models.gate_functions.GateFunction.saturates>`, :func:`saturation_rule`), against its bounds
+  <satlab.config.gate_functions.GateFunction.saturates>`, :func:`saturation_rule`), against its bounds
   (:func:`gate_bounds`); the report's ``saturation`` is the share of a head's elements within ``tol`` of its most
   frequent bound, whatever the rule.
 
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from satlab.config.gate_functions import GATE_FUNCTIONS, GateFunction
 from satlab.data.tokenizer import TextTokenizer
-from satlab.models.gate_functions import GATE_FUNCTIONS, GateFunction
 
 
 def gate_bounds(gate_fn: str, heads: int) -> tuple[float, ...]:

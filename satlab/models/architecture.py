@@ -1,20 +1,25 @@
-"""What an architecture is, in one place: its registry entry names its options (the ``model.<name>`` section), its
-depth loop and value path, its label and named variants, the condition under which it starts exactly as the
-Transformer, and the spec's formula for its extra parameters. Everything else (config validation, ``satlab archs``,
-bench, reports, plots, parity tests) iterates over :data:`ARCHITECTURES`.
+"""An architecture's implementation, in one place: its depth loop, its value path and the weights it plots. What it
+is without torch (name, label, options, variants, exact start, extra parameters) is declared in
+:mod:`satlab.config.archs`; :func:`register` joins the two into an :class:`Architecture`. Everything else (config
+validation, ``satlab archs``, bench, reports, plots, parity tests) iterates over :data:`ARCHITECTURES` or, without
+torch, over :data:`~satlab.config.archs.ARCH_SPECS`.
 
-An architecture is one module in :mod:`satlab.models.archs` that calls :func:`register`; the package imports every
-module in it, so adding one is adding a file.
+An architecture is one module in :mod:`satlab.config.archs` that declares it and one of the same name in
+:mod:`satlab.models.archs` that registers its implementation; each package imports every module in it, so adding one
+is adding the two files (``docs/architectures.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
+from satlab.config.archs import ARCH_SPECS, ArchSpec, label
+from satlab.config.errors import ConfigError
 from satlab.models.streams import ResidualStream
 
 
@@ -27,33 +32,15 @@ def no_shared(cfg: Any) -> nn.Module | None:
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """``options``: a dataclass of the architecture's settings (fields may declare ``metadata`` ranges and choices,
-    and a ``problems(cfg)`` method checks what depends on the sizes); ``stream``: the depth loop; ``value_path``:
-    layer n's value path (or None); ``value_shared``: per-forward weights shared by the value paths;
-    ``variants``: named option sets for ``satlab archs``; ``exact_start``: model-config overrides under which the
-    initial model equals the Transformer with the same weights (None: it does not start as the Transformer);
-    ``extra_params``: the spec's count of parameters beyond the Transformer's; ``gate_fn``: the gate function of
-    its value-path gates, for the gate analysis; ``mixing_weights``: its static mixing weights for plots, from a
-    built model (default: its depth loop's)."""
+class Architecture(ArchSpec):
+    """The declaration (:class:`~satlab.config.archs.ArchSpec`) and its implementation: ``stream``, the depth loop;
+    ``value_path``, layer n's value path (or None); ``value_shared``, per-forward weights shared by the value paths;
+    ``mixing_weights``, its static mixing weights for plots, from a built model (default: its depth loop's)."""
 
-    name: str
-    label: str
-    description: str
-    options: type | None = None
     stream: type[ResidualStream] = ResidualStream
     value_path: Callable[[Any, int], nn.Module | None] = no_value_path
     value_shared: Callable[[Any], nn.Module | None] = no_shared
-    variants: tuple[tuple[str, Mapping[str, Any]], ...] = ()
-    exact_start: Mapping[str, Any] | None = None
-    extra_params: Callable[[Any], int] | None = None
-    gate_fn: Callable[[Any], str] | None = None
-    gate_target: str = "V_1"  # what its gates multiply (value-access plots compare gates on V_1 only)
     mixing_weights: Callable[[Any], dict[str, MixingWeight]] | None = None
-    order: int = 1000  # where it is listed (tables, bench, reports): the Transformer first, then by lineage
-
-    def options_of(self, cfg: Any) -> Any:
-        return getattr(cfg, self.name, None) if self.options is not None else None
 
 
 @dataclass
@@ -72,16 +59,21 @@ class MixingWeight:
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
+"""Every implemented architecture, in the declarations' order."""
 
 
-def register(arch: Architecture) -> Architecture:
-    """Add ``arch`` to the registry (a later entry of the same name replaces the earlier one), kept in ``order``."""
-    entries = {**ARCHITECTURES, arch.name: arch}
+def register(name: str, **implementation: Any) -> Architecture:
+    """Implement the declared architecture ``name`` with ``implementation`` (the fields :class:`Architecture` adds to
+    its declaration); a later implementation of the same name replaces the earlier one."""
+    if name not in ARCH_SPECS:
+        raise ConfigError(f"cannot implement architecture '{name}': it is not declared (satlab/config/archs/"
+                          f"{name}.py declares it with satlab.config.archs.declare); declared: {', '.join(ARCH_SPECS)}")
+    spec = ARCH_SPECS[name]
+    arch = Architecture(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(ArchSpec)}, **implementation)
+    entries = {**ARCHITECTURES, name: arch}
     ARCHITECTURES.clear()
-    ARCHITECTURES.update(sorted(entries.items(), key=lambda item: (item[1].order, item[0])))
+    ARCHITECTURES.update((key, entries[key]) for key in ARCH_SPECS if key in entries)
     return arch
 
 
-def label(name: str) -> str:
-    """The display name of a registered architecture (the name itself for an unknown one)."""
-    return ARCHITECTURES[name].label if name in ARCHITECTURES else name
+__all__ = ["ARCHITECTURES", "Architecture", "MixingWeight", "label", "register"]

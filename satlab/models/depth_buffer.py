@@ -15,7 +15,7 @@ sum (the only other readers of X_i) has run its backward before layer i's does.
 
 :class:`DepthList` is the same interface as the formula reads, Σ_j w_j X_j over a list of block outputs, autograd
 doing the backward: the reference, and what torch.compile traces (the sums fuse into one kernel each there).
-:func:`depth_buffer` picks one of the two by ``model.mixing_impl`` (see :data:`~satlab.models.layers.MIXING_IMPLS`).
+:func:`depth_buffer` picks one of the two by ``model.mixing_impl`` (see :data:`~satlab.config.model.MIXING_IMPLS`).
 """
 
 from __future__ import annotations

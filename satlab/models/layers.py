@@ -34,15 +34,6 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
 
-MIXING_IMPLS = ("auto", "reference", "handwritten")
-"""How the depth mixing is computed (``model.mixing_impl``). ``reference``: the plain PyTorch formula, autograd
-doing the backward: what a reader checks against the paper and what torch.compile traces and fuses. ``handwritten``:
-the custom autograd functions written for a CPU (fewer passes over memory, the buffers of the dense depth loops).
-``auto``: the hand-written functions on a CPU, the reference anywhere else. Each function decides per call from its
-input's device, not once when the model is built: models are built on the CPU and moved to the GPU afterwards
-(Lightning, the bench). ``docs/implementations.md`` lists the functions that have both forms."""
-
-
 def handwritten(impl: str, x: Tensor) -> bool:
     """Whether the mixing implementation ``impl`` (one of :data:`MIXING_IMPLS`) computes ``x``'s mixing with the
     hand-written autograd functions."""

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+import satlab.models.archs  # noqa: F401  (registers every implementation)
 from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.model import ModelConfig, model_config_from_dict, resolve_model_config
 from satlab.models.architecture import ARCHITECTURES
-from satlab.models.config import ModelConfig, model_config_from_dict, resolve_model_config
 from satlab.models.model import DecoderLM
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import mlflow
 
+from satlab.config.archs import ARCH_SPECS
 from satlab.evaluation.tasks import RETRIEVAL, chance_level
-from satlab.models.architecture import ARCHITECTURES
 from satlab.studies.loader import load_ablation
 from satlab.studies.parent_results import mlflow_name
 from satlab.studies.results import RECALL_MEASURES, GroupResult, Measures, collect
@@ -28,7 +28,7 @@ CLAIMED_LOSS_ORDER = ("satformer", "resformer", "transformer")  # the paper's va
 
 def arch_names() -> dict[str, str]:
     """Display names from the registry (read when a report is written: an architecture registered late counts)."""
-    return {name: arch.label for name, arch in ARCHITECTURES.items()}
+    return {name: arch.label for name, arch in ARCH_SPECS.items()}
 
 
 def reference_group(groups: Sequence[GroupResult], group: GroupResult, arch: str) -> GroupResult | None:

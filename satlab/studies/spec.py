@@ -20,11 +20,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import unknown_name
 from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
 from satlab.config.schema import ExperimentConfig
 from satlab.config.structured import field_problems, in_range
-from satlab.models.architecture import ARCHITECTURES
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
@@ -242,7 +242,7 @@ class SweepSpec(StudySpec):
     def active_params(self, arch: str) -> list[str]:
         """The searched keys that matter for ``arch``, ``model.arch`` first (it decides the others)."""
         names = sorted(self.space, key=lambda n: n != "model.arch")
-        return [n for n in names if not (n.split(".")[0] == "model" and n.split(".")[1] in ARCHITECTURES
+        return [n for n in names if not (n.split(".")[0] == "model" and n.split(".")[1] in ARCH_SPECS
                                          and n.split(".")[1] != arch)]
 
     def problems(self) -> list[str]:

@@ -198,9 +198,9 @@ def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str
 def run_params(cfg: ExperimentConfig) -> dict[str, Param]:
     """The config as MLflow params, less the options of the architectures this run does not use (a run page
     would otherwise list every registered architecture's settings)."""
-    from satlab.models import ARCHITECTURES
+    from satlab.config.archs import ARCH_SPECS
 
-    unused = tuple(f"model.{a.name}." for a in ARCHITECTURES.values()
+    unused = tuple(f"model.{a.name}." for a in ARCH_SPECS.values()
                    if a.options is not None and a.name != cfg.model.arch)
     return {k: v for k, v in flatten(cfg).items() if not k.startswith(unused)}
 

@@ -45,9 +45,9 @@ def colour(index: int) -> str:
 def arch_colour(arch: str) -> str:
     """An architecture's colour: its place in the registry, so the Transformer is the same blue in every
     experiment."""
-    from satlab.models import ARCHITECTURES
+    from satlab.config.archs import ARCH_SPECS
 
-    names = list(ARCHITECTURES)
+    names = list(ARCH_SPECS)
     return colour(names.index(arch)) if arch in names else colour(len(names) + sum(map(ord, arch)))
 
 

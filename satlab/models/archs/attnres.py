@@ -24,28 +24,17 @@ sources as the sum Σ_j α_j v_j over a list (:func:`~satlab.models.depth_buffer
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.config.archs.attnres import n_sublayers
+from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer, depth_sum
 from satlab.models.layers import handwritten, rms_norm
 from satlab.models.streams import DepthContext, ResidualStream
-
-
-@dataclass
-class BlockAttnResOptions:
-    block_size: int = field(default=4, metadata={"range": (2, 4096, False)})  # sublayers per block
-
-    def problems(self, cfg: Any) -> list[str]:
-        if cfg.mlp_hidden > 0 and self.block_size % 2:
-            return [f"model.block_attnres.block_size={self.block_size} must be even: blocks begin at attention "
-                    "sublayers (each layer is an attention and an MLP sublayer)"]
-        return []
 
 
 class DepthQuery(nn.Module):
@@ -75,10 +64,6 @@ def sublayers(ctx: DepthContext) -> list[Callable[[Tensor], Tensor]]:
         if block.mlp is not None:
             out.append(lambda h, i=i: ctx.feedforward(i, h))
     return out
-
-
-def n_sublayers(cfg: Any) -> int:
-    return cfg.n_layers * (2 if cfg.mlp_hidden > 0 else 1)
 
 
 class AttnResStream(ResidualStream):
@@ -167,17 +152,5 @@ def query_norms(queries: nn.ModuleList) -> MixingWeight:
     return MixingWeight(norms, "consumer (sublayer, then the output)", first_row=0)
 
 
-def extra_params(cfg: Any) -> int:
-    """(2L + 1)·d queries and as many key-norm weights (one per consumer: the sublayers and the output)."""
-    return 2 * (n_sublayers(cfg) + 1) * cfg.d_model
-
-
-register(Architecture(
-    "attnres", "AttnRes", "Attention Residuals (Full): softmax over all earlier sublayer outputs, no residual add",
-    stream=AttnResStream, extra_params=extra_params, exact_start={"norm_eps": 0.0}, order=70,
-))
-register(Architecture(
-    "block_attnres", "Block AttnRes", "Attention Residuals over blocks of sublayers (block sums and a partial sum)",
-    options=BlockAttnResOptions, stream=BlockAttnResStream, extra_params=extra_params,
-    exact_start={"norm_eps": 0.0}, variants=(("block_attnres block_size=2", {"block_size": 2}),), order=75,
-))
+register("attnres", stream=AttnResStream)
+register("block_attnres", stream=BlockAttnResStream)

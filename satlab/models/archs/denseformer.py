@@ -12,28 +12,13 @@ list and each DWA is the sum Σ_j a_{i,j} X_j as written (:class:`~satlab.models
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.config.archs.denseformer import dwa_sources
+from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer
 from satlab.models.streams import DepthContext, ResidualStream
-
-
-@dataclass
-class DenseFormerOptions:
-    """Depth-weighted average after every ``period``-th block, over blocks j with j ≡ i (mod ``dilation``)."""
-
-    dilation: int = field(default=1, metadata={"range": (1, 4096, False)})
-    period: int = field(default=1, metadata={"range": (1, 4096, False)})
-
-
-def dwa_sources(i: int, dilation: int) -> list[int]:
-    """Indices j of the block outputs that the DWA after block i averages (j ≡ i mod dilation)."""
-    return [j for j in range(i + 1) if (i - j) % dilation == 0]
 
 
 class DenseFormerStream(ResidualStream):
@@ -79,12 +64,4 @@ class DenseFormerStream(ResidualStream):
                                                 missing=missing)}
 
 
-def extra_params(cfg: Any) -> int:
-    """One weight per source of each DWA."""
-    options = cfg.denseformer
-    return sum(len(dwa_sources(i, options.dilation)) for i in range(1, cfg.n_layers + 1) if i % options.period == 0)
-
-
-register(Architecture("denseformer", "DenseFormer", "depth-weighted average of all earlier block outputs",
-                      options=DenseFormerOptions, stream=DenseFormerStream, extra_params=extra_params, exact_start={},
-                      variants=(("denseformer dilation=2 period=2", {"dilation": 2, "period": 2}),), order=30))
+register("denseformer", stream=DenseFormerStream)

@@ -17,7 +17,7 @@ token: at d = 128 as large as the MLP's hidden layer, and a CPU is bound by its 
 which the stream holds anyway, and with ``recompute`` (default) rebuilds the per-copy coefficients from it instead
 of storing them. The rest of what HC stores per sublayer, H itself, is what its backward needs (dA = H·dhᵀ).
 
-Beside them the reference (``model.mixing_impl``, see :data:`~satlab.models.layers.MIXING_IMPLS`): the formulas
+Beside them the reference (``model.mixing_impl``, see :data:`~satlab.config.model.MIXING_IMPLS`): the formulas
 above as written (:meth:`HyperConnection.coefficients`, ``einsum`` for A_mᵀH and A_rᵀH), autograd doing the backward,
 ``recompute`` through activation checkpointing. It is what runs on a GPU, where torch.compile fuses it.
 """
@@ -25,25 +25,15 @@ above as written (:meth:`HyperConnection.coefficients`, ``einsum`` for A_mᵀH a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.models.architecture import MixingWeight, register
 from satlab.models.layers import RMSNorm, handwritten, rms_parts, rms_parts_backward
 from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
-
-
-@dataclass
-class HyperConnectionOptions:
-    """Dynamic hyper-connections with ``expansion`` residual copies."""
-
-    expansion: int = field(default=4, metadata={"range": (1, 64, False)})
-    recompute: bool = True  # recompute the mixing coefficients in backward instead of storing them
 
 
 class HyperConnection(nn.Module):
@@ -195,12 +185,4 @@ def sublayer_matrix(values: Tensor, col_label: str) -> MixingWeight:
                         row_ticks=[f"{'am'[k % 2]}{k // 2}" for k in range(values.shape[0])])
 
 
-def extra_params(cfg: Any) -> int:
-    """Per sublayer: W_m (d), W_r (n·d), W_β (d), the norm (d), static e (n), I (n²), 1 (n), s_α, s_β."""
-    n, d = cfg.hyperconnections.expansion, cfg.d_model
-    return 2 * cfg.n_layers * ((n + 3) * d + n * n + 2 * n + 2)
-
-
-register(Architecture("hyperconnections", "Hyper-Connections", "dynamic hyper-connections, n residual copies",
-                      options=HyperConnectionOptions, stream=HyperConnectionStream, extra_params=extra_params,
-                      exact_start={}, order=40))
+register("hyperconnections", stream=HyperConnectionStream)

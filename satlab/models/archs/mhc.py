@@ -20,7 +20,7 @@ its normalisations), and the read and write are the shared batched matmuls of
 sublayer in backward rather than stored; what they would store is now small (n² + 2n numbers per token), so this
 saves little (the paper recomputes blockwise, the sublayers' stream states too).
 
-Each of these has its reference beside it (``model.mixing_impl``, see :data:`~satlab.models.layers.MIXING_IMPLS`):
+Each of these has its reference beside it (``model.mixing_impl``, see :data:`~satlab.config.model.MIXING_IMPLS`):
 Sinkhorn as the plain loop (:func:`sinkhorn_reference`), x̃φ/r as RMSNorm then the projection, the read and write as
 ``einsum``; autograd does their backward. It is what runs on a GPU, where torch.compile fuses it.
 """
@@ -28,23 +28,15 @@ Sinkhorn as the plain loop (:func:`sinkhorn_reference`), x̃φ/r as RMSNorm then
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.models.architecture import MixingWeight, register
 from satlab.models.layers import handwritten, rms_linear
 from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
-
-
-@dataclass
-class MHCOptions:
-    streams: int = field(default=4, metadata={"range": (2, 16, False)})
-    sinkhorn_iters: int = field(default=20, metadata={"range": (1, 1000, False)})
-    recompute: bool = True  # recompute H_pre, H_post, H_res (Sinkhorn included) in backward instead of storing them
 
 
 def sinkhorn(logits: Tensor, iters: int, impl: str = "auto") -> Tensor:
@@ -221,13 +213,4 @@ class MHCStream(ResidualStream):
                 for name, rows in parts.items()}
 
 
-def extra_params(cfg: Any) -> int:
-    """2L(nd(n² + 2n) + n² + 2n + 3) + n²d + n + 1 (the spec's count)."""
-    n, d, L = cfg.mhc.streams, cfg.d_model, cfg.n_layers
-    return 2 * L * (n * d * (n * n + 2 * n) + n * n + 2 * n + 3) + n * n * d + n + 1
-
-
-register(Architecture(
-    "mhc", "mHC", "manifold-constrained hyper-connections: n streams, doubly stochastic mixing (Sinkhorn-Knopp)",
-    options=MHCOptions, stream=MHCStream, extra_params=extra_params, exact_start={}, order=60,
-))
+register("mhc", stream=MHCStream)

@@ -14,26 +14,17 @@ W_2 = 0 and a = one-hot at j = i, so the model starts as the Transformer. X_0..X
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from satlab.models.architecture import Architecture, MixingWeight, register
+from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer
 from satlab.models.layers import Block, rms_linear
 from satlab.models.streams import DepthContext, ResidualStream
 
 STREAMS = ("q", "k", "v", "r")
-
-
-@dataclass
-class MUDDFormerOptions:
-    """``ffn_realloc``: SwiGLU width grows linearly with depth from 0.5x to 1.5x (same total)."""
-
-    ffn_realloc: bool = False
 
 
 class DepthAggregate(nn.Module):
@@ -116,17 +107,4 @@ class MUDDStream(ResidualStream):
                 for c, t in tables.items()}
 
 
-def extra_params(cfg: Any) -> int:
-    """Per DA i (1..L): W_1 d×4(i+1), W_2 4(i+1)×C(i+1), the static C×(i+1); C = 4, 1 for the last; plus the
-    separate K and V input norms (2d per block)."""
-    d, L = cfg.d_model, cfg.n_layers
-    total = 2 * d * L
-    for i in range(1, L + 1):
-        sources, outputs = i + 1, 4 if i < L else 1
-        total += d * 4 * sources + 4 * sources * outputs * sources + outputs * sources
-    return total
-
-
-register(Architecture("muddformer", "MUDDFormer", "multiway dynamic dense connections (Q, K, V, R)",
-                      options=MUDDFormerOptions, stream=MUDDStream, extra_params=extra_params, exact_start={},
-                      variants=(("muddformer ffn_realloc", {"ffn_realloc": True}),), order=50))
+register("muddformer", stream=MUDDStream)

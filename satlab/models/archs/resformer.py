@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from satlab.models.architecture import Architecture, MixingWeight, register
-
-
-@dataclass
-class ResFormerOptions:
-    """``learnable``: λ1 = λ_scale·softmax(λ'), λ2 per layer (the paper's "plus" form); ``fixed``: 0.5/0.5."""
-
-    mode: str = field(default="learnable", metadata={"choices": ("learnable", "fixed")})
+from satlab.models.architecture import MixingWeight, register
 
 
 class ResFormerLambdas(nn.Module):
@@ -73,13 +65,10 @@ def mixing_weights(model: Any) -> dict[str, MixingWeight]:
     return {"resformer/lambda1": MixingWeight(lambda1, v1_coefficient=True), "resformer/lambda2": MixingWeight(lambda2)}
 
 
-register(Architecture(
-    "resformer", "ResFormer", "static value residual: λ1·V_1 + λ2·V_n", options=ResFormerOptions,
+register(
+    "resformer",
     value_path=lambda cfg, layer: ResFormerValue(fixed=cfg.resformer.mode == "fixed") if layer >= 1 else None,
     value_shared=lambda cfg: ResFormerLambdas(cfg.n_layers) if cfg.resformer.mode == "learnable" and cfg.n_layers > 1
     else None,
-    variants=(("resformer fixed", {"mode": "fixed"}),),
-    extra_params=lambda cfg: 0 if cfg.resformer.mode == "fixed" else (cfg.n_layers - 1) + (cfg.n_layers - 1) + 1,
     mixing_weights=mixing_weights,
-    order=10,
-))
+)

@@ -1,6 +1,6 @@
-"""The Llama-style pre-norm Transformer (Transformer++), the baseline every other architecture starts from."""
+"""The Llama-style pre-norm Transformer (Transformer++), the baseline every other architecture starts from: the
+backbone's own blocks and residual stream, nothing added (:mod:`satlab.config.archs.transformer` declares it)."""
 
-from satlab.models.architecture import Architecture, register
+from satlab.models.architecture import register
 
-register(Architecture("transformer", "Transformer", "Llama-style pre-norm Transformer (Transformer++)",
-                      extra_params=lambda cfg: 0, exact_start={}, order=0))
+register("transformer")

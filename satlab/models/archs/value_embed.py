@@ -15,25 +15,13 @@ tied to E and W_v^(0); SATFormer with ``gate_fn: 2sigmoid``, zero gate weights a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from satlab.models.architecture import Architecture, register
-
-GATE_INPUTS = 6  # dims of h_n and of E_n[t] the gate reads
-
-
-@dataclass
-class ValueEmbedOptions:
-    ve_init: str = field(default="zeros", metadata={"choices": ("zeros", "normal_0.01")})
-
-
-def ve_layers(n_layers: int) -> list[int]:
-    """Layers 1, 2 and the last three, those that exist."""
-    return sorted({n for n in (1, 2, n_layers - 3, n_layers - 2, n_layers - 1) if 0 <= n < n_layers})
+from satlab.config.archs.value_embed import GATE_INPUTS, ve_layers
+from satlab.models.architecture import register
 
 
 class ValueEmbedding(nn.Module):
@@ -68,12 +56,4 @@ def value_path(cfg: Any, layer: int) -> nn.Module | None:
     return ValueEmbedding(cfg.vocab_size, cfg.n_kv_heads, cfg.head_dim, cfg.value_embed.ve_init)
 
 
-register(Architecture(
-    "value_embed", "Value embeddings", "per-layer value embedding tables with a 2σ gate per KV head (modded-nanogpt)",
-    options=ValueEmbedOptions, value_path=value_path, gate_fn=lambda cfg: "2sigmoid", gate_target="E_n[t]",
-    extra_params=lambda cfg: len(ve_layers(cfg.n_layers)) * (cfg.vocab_size * cfg.n_kv_heads * cfg.head_dim
-                                                             + 2 * GATE_INPUTS * cfg.n_kv_heads),
-    variants=(("value_embed ve_init=normal_0.01", {"ve_init": "normal_0.01"}),),
-    exact_start={},  # with the default zero tables
-    order=80,
-))
+register("value_embed", value_path=value_path)

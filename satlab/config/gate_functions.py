@@ -1,16 +1,18 @@
 """Gate functions, one table: how gate logits (..., G, C) become gates, the values a gate can sit at (its bounds,
 given G gate heads) and when the gate analysis calls a (layer, head) of that function saturated (its rule,
-:attr:`GateFunction.saturates`). A function without bounds (identity) never saturates."""
+:attr:`GateFunction.saturates`). A function without bounds (identity) never saturates.
+
+Torch-free (each function is written with tensor methods), so the config can offer the names as choices without
+importing torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SaturationRule = Literal["pinned", "dead", "never"]
 
@@ -50,19 +52,18 @@ class GateFunction:
 
 def _softmax(logits: Tensor) -> Tensor:
     """Over the head axis G, times G, so the mean gate is 1 (with G = 1 the constant 1)."""
-    return torch.softmax(logits, dim=-2) * logits.shape[-2]
+    return logits.softmax(dim=-2) * logits.shape[-2]
 
 
 GATE_FUNCTIONS: dict[str, GateFunction] = {
-    "relu": GateFunction(F.relu, lambda heads: (0.0,), "dead"),
-    "sigmoid": GateFunction(torch.sigmoid, lambda heads: (0.0, 1.0), "pinned"),
-    "tanh": GateFunction(torch.tanh, lambda heads: (-1.0, 1.0), "pinned"),
+    "relu": GateFunction(lambda x: x.relu(), lambda heads: (0.0,), "dead"),
+    "sigmoid": GateFunction(lambda x: x.sigmoid(), lambda heads: (0.0, 1.0), "pinned"),
+    "tanh": GateFunction(lambda x: x.tanh(), lambda heads: (-1.0, 1.0), "pinned"),
     "identity": GateFunction(lambda x: x, lambda heads: (), "never"),
     "softmax": GateFunction(_softmax, lambda heads: (0.0, float(heads)), "pinned"),
-    "softmax_sigmoid": GateFunction(lambda x: _softmax(x) * torch.sigmoid(x), lambda heads: (0.0, float(heads)),
-                                    "pinned"),
+    "softmax_sigmoid": GateFunction(lambda x: _softmax(x) * x.sigmoid(), lambda heads: (0.0, float(heads)), "pinned"),
     # modded-nanogpt's VE gate
-    "2sigmoid": GateFunction(lambda x: 2 * torch.sigmoid(x), lambda heads: (0.0, 2.0), "pinned"),
+    "2sigmoid": GateFunction(lambda x: 2 * x.sigmoid(), lambda heads: (0.0, 2.0), "pinned"),
 }
 
 

@@ -1,5 +1,6 @@
-"""Model configuration: the backbone's sizes and init, and one section per registered architecture with options
-(``model.satformer``, ``model.mhc``, ...: the architecture's own options dataclass), named size presets, validation.
+"""Model configuration, without torch: the backbone's sizes and init, and one section per declared architecture
+with options (``model.satformer``, ``model.mhc``, ...: the options dataclass of its declaration in
+:mod:`satlab.config.archs`), named size presets, validation.
 
 Sizes follow ``docs/architectures.md`` (the paper's presets, head dim 64, SwiGLU width as in the reference
 code). ``tiny`` is satlab's own CPU size. Any of ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``,
@@ -13,11 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import satlab.models.archs  # noqa: F401  (registers every architecture)
+from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.structured import build, field_problems, in_range
-from satlab.models.architecture import ARCHITECTURES
-from satlab.models.layers import MIXING_IMPLS
 
 # d, L, H (d_h = 64), SwiGLU width, vocab, RoPE length. The paper sizes are the spec's table.
 SIZE_PRESETS: dict[str, dict[str, int]] = {
@@ -32,6 +31,13 @@ SIZE_PRESETS: dict[str, dict[str, int]] = {
 }
 # The spec's parameter counts (tied embeddings), used by the preset tests.
 PAPER_PARAM_COUNTS = {"small": 128e6, "medium": 335e6, "large": 766e6, "xl": 1.30e9}
+MIXING_IMPLS = ("auto", "reference", "handwritten")
+"""How the depth mixing is computed (``model.mixing_impl``). ``reference``: the plain PyTorch formula, autograd
+doing the backward: what a reader checks against the paper and what torch.compile traces and fuses. ``handwritten``:
+the custom autograd functions written for a CPU (fewer passes over memory, the buffers of the dense depth loops).
+``auto``: the hand-written functions on a CPU, the reference anywhere else. Each function decides per call from its
+input's device, not once when the model is built: models are built on the CPU and moved to the GPU afterwards
+(Lightning, the bench). ``docs/implementations.md`` lists the functions that have both forms."""
 MAX_VOCAB = 10**7
 """The largest vocabulary (of a model, a tokenizer, a synthetic task): far inside the uint32 the token ids are stored
 in."""
@@ -55,7 +61,7 @@ class BackboneConfig:
     (``tests/test_parity.py``), so a resumed run may change it. See ``docs/implementations.md``.
     """
 
-    arch: str = field(default="satformer", metadata={"choices": ARCHITECTURES, "label": "architecture (model.arch)"})
+    arch: str = field(default="satformer", metadata={"choices": ARCH_SPECS, "label": "architecture (model.arch)"})
     size: str = field(default="tiny", metadata={"choices": SIZE_PRESETS, "label": "model size"})
     # The sizes, None until resolve_model_config fills them from the preset.
     d_model: int | None = field(default=None, metadata=in_range(1, 65_536))
@@ -80,11 +86,11 @@ class BackboneConfig:
 
 
 ModelConfig = dataclasses.make_dataclass(
-    "ModelConfig", [(a.name, a.options, field(default_factory=a.options)) for a in ARCHITECTURES.values() if a.options],
+    "ModelConfig", [(a.name, a.options, field(default_factory=a.options)) for a in ARCH_SPECS.values() if a.options],
     bases=(BackboneConfig,))
 ModelConfig.__module__ = __name__  # pickling and type hints find it here (make_dataclass's module= is Python 3.12+)
 ModelConfig.__doc__ = ("The backbone (:class:`BackboneConfig`) and a section of options per architecture that has "
-                       "them, built from the registry: " + ", ".join(a.name for a in ARCHITECTURES.values()
+                       "them, built from the registry: " + ", ".join(a.name for a in ARCH_SPECS.values()
                                                                      if a.options) + ".")
 
 
@@ -130,7 +136,7 @@ def model_config_problems(cfg: Any) -> list[str]:
         )
     elif cfg.head_dim % 2:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
-    for arch in ARCHITECTURES.values():
+    for arch in ARCH_SPECS.values():
         options = arch.options_of(cfg)
         if options is not None and hasattr(options, "problems"):
             problems.extend(options.problems(cfg))
