@@ -10,21 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import typing
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, unknown_name
 from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
-from satlab.config.specs import existing, item_problem, named_file, read_mapping, short_path, user_path
+from satlab.config.specs import existing, named_file, parse_item, read_mapping, short_path, user_path
 from satlab.config.structured import Layer, build, field_problems, short_repr
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
@@ -243,22 +238,17 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any] | None:
 
 
 def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Layer]:
-    """One layer per ``key=value`` override, parsed with OmegaConf's dotlist (YAML values: ``1e-3``, ``[a, b]``)."""
+    """One layer per ``key=value`` override (:func:`~satlab.config.specs.parse_item`)."""
     layers: list[Layer] = []
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        if (too_long := item_problem(item)) is not None:
-            problems.append(too_long)
-            continue
-        if not sep or not key.strip() or "" in key.split("."):
-            problems.append(f"malformed override '{item}': expected key=value, e.g. optim.lr=1e-3")
-            continue
         try:
-            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
-        except (yaml.YAMLError, OmegaConfBaseException) as e:
-            problems.append(f"malformed override '{item}': {' '.join(str(e).split())}")
+            key, value = parse_item(item, "override", "optim.lr=1e-3")
+        except ConfigError as e:
+            problems.extend(e.problems)
             continue
-        layers.append((f"override '{item}'", typing.cast(dict[str, Any], parsed)))
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        layers.append((f"override '{item}'", value))
     return layers
 
 

@@ -109,12 +109,20 @@ def _yaml_error(error: yaml.YAMLError, text: str) -> str:
     return f": invalid YAML ({type(error).__name__})"
 
 
-def item_problem(item: str) -> str | None:
-    """Why one ``key=value`` command-line item is refused before it is parsed (too long), else None."""
-    if len(item) <= MAX_ITEM_CHARS:
-        return None
-    return (f"the item '{item[:40]}...' is {len(item):,} characters; a command-line item is at most "
-            f"{MAX_ITEM_CHARS:,} (put long text in a YAML file)")
+def parse_item(item: str, what: str, example: str) -> tuple[str, Any]:
+    """One command-line ``key=value`` item (an experiment's override, a study spec's item) as its dotted key and its
+    value, read as YAML by OmegaConf's dotlist (``1e-3``, ``[0, 1]``, ``null``); the one parser of both. A
+    :class:`ConfigError` says why ``item`` (``what``: "override", "item") is refused, with ``example``."""
+    if len(item) > MAX_ITEM_CHARS:
+        raise ConfigError(f"the item '{item[:40]}...' is {len(item):,} characters; a command-line item is at most "
+                          f"{MAX_ITEM_CHARS:,} (put long text in a YAML file)")
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip() or "" in key.split("."):
+        raise ConfigError(f"malformed {what} '{item}': expected key=value, e.g. {example}")
+    try:
+        return key, OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"malformed {what} '{item}': {' '.join(str(e).split())}") from None
 
 
 def user_path(name_or_path: str | Path) -> Path | None:

@@ -13,13 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean
-from satlab.config.specs import flatten_mapping, item_problem, read_spec, short_path, spec_names
+from satlab.config.specs import flatten_mapping, parse_item, read_spec, short_path, spec_names
 from satlab.config.structured import build
 from satlab.studies.spec import (
     DEFAULT_SPACE,
@@ -62,18 +58,10 @@ def apply_items(kind: type[StudySpec], data: Mapping[str, Any], items: Sequence[
            and isinstance(v, Mapping) else v for k, v in data.items()}
     problems = []
     for item in items:
-        key, sep, text = item.partition("=")
-        if (too_long := item_problem(item)) is not None:
-            problems.append(too_long)
-            continue
-        if not sep or not key.strip() or "" in key.split("."):
-            problems.append(f"malformed item '{item}': expected key=value, e.g. n_trials=4, "
-                            "train.max_tokens=1e5 or axes.train.seed=[0,1]")
-            continue
         try:
-            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
-        except (yaml.YAMLError, OmegaConfBaseException) as e:
-            problems.append(f"malformed item '{item}': {' '.join(str(e).split())}")
+            key, value = parse_item(item, "item", "n_trials=4, train.max_tokens=1e5 or axes.train.seed=[0,1]")
+        except ConfigError as e:
+            problems.extend(e.problems)
             continue
         head, _, rest = key.partition(".")
         if head not in fields and kind is AblationSpec:
