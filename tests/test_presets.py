@@ -1,6 +1,8 @@
-"""The paper presets (paper/<size>/<arch>: the size's experiments/paper/<size>/_base.yaml with model.arch=<arch>,
-made by the loader): every size and architecture the paper has, the spec's settings, parameter counts within 1 % of
-the paper's, architectures of one size matched in everything else, and a clear error for any other name."""
+"""The presets the loader makes per architecture: tiny/<arch> (experiments/tiny/_base.yaml with model.arch=<arch>)
+for every registered architecture, and the paper presets (paper/<size>/<arch>: the size's
+experiments/paper/<size>/_base.yaml with model.arch=<arch>): every size and architecture the paper has, the spec's
+settings, parameter counts within 1 % of the paper's, architectures of one folder matched in everything else, a file
+of the same name winning, and a clear error for any other name."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 
 from satlab.cli.main import main
 from satlab.config.display import flatten
-from satlab.config.errors import ConfigError
+from satlab.config.errors import EXIT_USAGE, ConfigError
 from satlab.config.loader import default_experiments_dir, experiment_family, list_experiments, load_experiment
 from satlab.config.model import PAPER_PARAM_COUNTS, SIZE_PRESETS
 from satlab.models import ARCHITECTURES, build_model, count_params, label
@@ -26,6 +28,37 @@ def archs(size: str) -> list[str]:
 
 
 CASES = [(size, arch) for size in PAPER for arch in archs(size)]
+
+
+def test_every_architecture_has_a_tiny_preset_and_no_file_per_architecture() -> None:
+    names = [n for n in list_experiments() if n.startswith("tiny/")]
+    assert names == sorted(["tiny/_base", *(f"tiny/{arch}" for arch in ARCHITECTURES)])
+    assert sorted(p.name for p in (default_experiments_dir() / "tiny").iterdir()) == ["_base.yaml"]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_tiny_preset_is_the_default_with_another_architecture(arch: str) -> None:
+    def matched(name: str) -> dict:
+        return {k: v for k, v in flatten(load_experiment(name)).items() if k not in UNMATCHED}
+
+    cfg = load_experiment(f"tiny/{arch}")
+    assert (cfg.model.arch, cfg.model.size, cfg.name) == (arch, "tiny", f"tiny-{arch}")
+    assert cfg.description == f"tiny {label(arch)} on Shakespeare, BPE 4096, about 3 minutes on 2 CPU cores"
+    assert matched(f"tiny/{arch}") == matched("tiny/_base") == matched("default")
+    assert experiment_family(f"tiny/{arch}") == "tiny"
+
+
+@pytest.mark.parametrize("folder", ["tiny", "paper/small"])
+def test_a_file_wins_over_the_generated_preset_of_its_name(folder: str, tmp_path) -> None:
+    (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "default.yaml").write_text("name: default\n")
+    (tmp_path / folder / "_base.yaml").write_text("base: default\nname: base\ndescription: a setting\n")
+    (tmp_path / folder / "satformer.yaml").write_text("base: ./_base\nname: mine\nmodel:\n  arch: resformer\n")
+    mine, generated = (load_experiment(f"{folder}/{a}", experiments_dir=tmp_path) for a in ("satformer", "mhc"))
+    assert (mine.name, mine.model.arch, mine.description) == ("mine", "resformer", "a setting")
+    assert (generated.name, generated.model.arch) == (f"{folder.replace('/', '-')}-mhc", "mhc")
+    names = list_experiments(tmp_path)
+    assert names == sorted({"default", f"{folder}/_base", *(f"{folder}/{a}" for a in ARCHITECTURES)})
 
 
 def test_every_size_and_architecture_has_a_preset_and_no_file_per_architecture() -> None:
@@ -102,21 +135,23 @@ def test_each_preset_says_what_it_reproduces(size: str, arch: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "fragments"), [
+    ("tiny/satfromer", ["did you mean 'tiny/satformer'", "tiny/mhc", "tiny/<arch> is tiny/_base", "every arch"]),
     ("paper/small/satfromer", ["did you mean 'paper/small/satformer'", "paper/small/mhc", "every architecture"]),
-    ("paper/xl/denseformer", ["paper/xl/satformer", "the paper ran at xl", "paper/small/denseformer"]),
+    ("paper/xl/denseformer", ["paper/xl/satformer", "transformer, resformer, satformer only", "small/denseformer"]),
     ("paper/xl/mhc", ["paper/xl/resformer", "paper/xl/transformer", "mhc is at paper/large/mhc"]),
 ])
-def test_an_architecture_a_size_has_no_preset_for_is_a_clear_error(name: str, fragments: list[str], capsys,
-                                                                   tmp_path) -> None:
+def test_an_architecture_a_folder_has_no_preset_for_is_a_clear_error(name: str, fragments: list[str], capsys,
+                                                                     tmp_path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_experiment(name)
     message = str(excinfo.value)
     assert message.startswith(f"unknown experiment preset '{name}'")
     assert [f for f in fragments if f not in message] == [], message
-    assert "paper/medium/" not in message.split("(paper/")[0]  # only the size's own presets are listed as valid
+    valid = message.split("; valid: ")[1].split(" (")[0].split(", ")
+    assert {v.rpartition("/")[0] for v in valid} == {name.rpartition("/")[0]}  # only the folder's own presets
     code = main(["train", f"experiment={name}", f"train.out_dir={tmp_path / 'runs'}", "--dry-run"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("satlab train: error:") and name in err
+    assert code == EXIT_USAGE == 2 and err.startswith("satlab train: error:") and name in err
     assert not (tmp_path / "runs").exists()
 
 
@@ -130,7 +165,7 @@ def test_a_base_chain_and_a_trial_files_absolute_base_reach_a_paper_preset(tmp_p
         assert (cfg.name, cfg.model.arch, cfg.model.size, cfg.optim.lr) == ("child", "resformer", "xl", 1e-4)
         assert cfg.description.startswith("reproduces the paper's xl ResFormer run")
     path.write_text("base: paper/xl/mhc\n")
-    with pytest.raises(ConfigError, match="child.yaml: base unknown preset 'paper/xl/mhc'.*the paper ran at xl"):
+    with pytest.raises(ConfigError, match="child.yaml: base unknown preset 'paper/xl/mhc'.*satformer only"):
         load_experiment(path)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,65 @@ _TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file
 """Text settings an empty value would not mean anything for (the empty path would be the working directory)."""
 EXPERIMENT_KEYS = (*(f.name for f in dataclasses.fields(ExperimentConfig)), "base")
 
-# The paper presets: ``paper/<size>/<arch>`` is no file but ``paper/<size>/_base`` with ``model.arch=<arch>``
-# (:func:`paper_preset`), so the architectures of one size are matched in everything else by construction.
+FOLDER_BASE = "_base"
+"""The file of a folder that makes presets per architecture (:data:`ARCH_FOLDERS`)."""
+TINY_DIR = "tiny"
 PAPER_DIR = "paper"
-SIZE_BASE = "_base"
 PAPER = "SATFormer, arXiv 2605.03953"
 PAPER_ARCHS = ("transformer", "resformer", "satformer", "denseformer", "hyperconnections", "muddformer")
 """The architectures the paper compared: their presets reproduce its runs; the registry's others came after it."""
-PAPER_SIZE_ARCHS: dict[str, tuple[str, ...]] = {"xl": ("transformer", "resformer", "satformer")}
-"""Sizes the paper ran for some of its architectures only (no dense baselines at xl): ``paper/<size>/<arch>``
-exists for these; at any other size, for every registered architecture."""
+PAPER_XL_ARCHS = ("transformer", "resformer", "satformer")
+"""The paper's xl runs: it has no dense baselines at xl."""
+
+
+def _tiny_description(folder: str, arch: str, setting: str) -> str:
+    return f"tiny {ARCH_SPECS[arch].label} on {setting}"
+
+
+def _paper_description(folder: str, arch: str, setting: str) -> str:
+    """Whether ``paper/<size>/<arch>`` reproduces one of the paper's runs, or adds a baseline it did not run."""
+    size, label = folder.rpartition("/")[2], ARCH_SPECS[arch].label
+    if arch in PAPER_ARCHS:
+        return f"reproduces the paper's {size} {label} run ({PAPER}): {setting}"
+    return (f"the paper's {size} setting with a baseline the paper did not run, {label} (docs/architectures.md): "
+            f"{setting}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchFolders:
+    """Folders whose ``_base.yaml`` makes a preset per architecture: ``<folder>/<arch>`` is no file but the
+    folder's ``_base`` with ``model.arch=<arch>``, ``name=<folder>-<arch>`` (``/`` as ``-``) and a description
+    (:func:`generated_preset`), so the architectures of one folder are matched in everything else by construction.
+    A file ``<folder>/<arch>.yaml`` still wins over the generated preset."""
+
+    glob: str
+    """The folders, relative to the experiments folder: ``tiny``, ``paper/*``; those with a ``_base.yaml`` count."""
+    describe: Callable[[str, str, str], str]
+    """(folder, arch, the ``_base``'s own description) -> the preset's description."""
+    only: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Folders made for these architectures only; any other is made for every registered one."""
+
+    def archs(self, folder: str) -> list[str]:
+        """The architectures of ``<folder>/<arch>``, in registry order."""
+        only = self.only.get(folder)
+        return [arch for arch in ARCH_SPECS if only is None or arch in only]
+
+
+ARCH_FOLDERS = (
+    ArchFolders(TINY_DIR, _tiny_description),
+    ArchFolders(f"{PAPER_DIR}/*", _paper_description, {f"{PAPER_DIR}/xl": PAPER_XL_ARCHS}),
+)
+"""Which folders make which presets per architecture: ``tiny/<arch>`` and ``paper/<size>/<arch>`` for every
+registered architecture, except ``paper/xl`` for the paper's xl runs only."""
+
+
+class GeneratedPreset(typing.NamedTuple):
+    """``<folder>/<arch>`` of :data:`ARCH_FOLDERS`: the folder's ``_base.yaml``, and what to add to it."""
+
+    base_file: Path
+    folder: str
+    arch: str
+    family: ArchFolders
 
 
 def default_experiments_dir() -> Path:
@@ -76,58 +126,50 @@ def experiment_family(preset: str) -> str | None:
 
 def list_experiments(experiments_dir: Path | None = None) -> list[str]:
     """Preset names (``default``, ``tiny/satformer``, ...): every ``*.yaml`` under the experiments folder, and the
-    generated ``paper/<size>/<arch>`` (:func:`paper_preset`)."""
+    generated ``<folder>/<arch>`` (:data:`ARCH_FOLDERS`)."""
     root = Path(experiments_dir) if experiments_dir is not None else default_experiments_dir()
     files = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob(f"*{PRESET_SUFFIX}")}
-    generated = {f"{PAPER_DIR}/{size}/{arch}" for size in paper_sizes(root) for arch in paper_archs(size)}
+    generated = {f"{folder}/{arch}" for folder, family in arch_folders(root).items() for arch in family.archs(folder)}
     return sorted(files | generated)
 
 
-def paper_sizes(root: Path) -> list[str]:
-    """The sizes with a ``paper/<size>/_base.yaml`` under the experiments folder ``root``."""
-    return sorted(p.parent.name for p in (root / PAPER_DIR).glob(f"*/{SIZE_BASE}{PRESET_SUFFIX}") if p.is_file())
+def arch_folders(root: Path) -> dict[str, ArchFolders]:
+    """The folders under the experiments folder ``root`` that make presets per architecture (``tiny``,
+    ``paper/small``, ...: those of :data:`ARCH_FOLDERS` with a ``_base.yaml``), each with its entry there."""
+    base = f"{FOLDER_BASE}{PRESET_SUFFIX}"
+    return {path.parent.relative_to(root).as_posix(): family for family in ARCH_FOLDERS
+            for path in sorted(root.glob(f"{family.glob}/{base}")) if path.is_file()}
 
 
-def paper_archs(size: str) -> list[str]:
-    """The architectures with a ``paper/<size>/<arch>`` preset, in registry order (:data:`PAPER_SIZE_ARCHS`)."""
-    only = PAPER_SIZE_ARCHS.get(size)
-    return [arch for arch in ARCH_SPECS if only is None or arch in only]
-
-
-def paper_preset(path: Path, root: Path) -> tuple[Path, str, str] | None:
-    """``(size file, size, arch)`` when ``path`` is ``<root>/paper/<size>/<arch>.yaml`` of a generated preset: no
-    such file, the size's ``_base.yaml`` beside it, and an architecture of :func:`paper_archs`; else None."""
+def generated_preset(path: Path, root: Path) -> GeneratedPreset | None:
+    """What ``path`` holds when it is ``<root>/<folder>/<arch>.yaml`` of a generated preset: no such file, a folder
+    of :func:`arch_folders` and one of its architectures; else None."""
     try:
-        parts = path.resolve().relative_to(root.resolve()).parts
+        relative = path.resolve().relative_to(root.resolve())
     except (ValueError, OSError, RuntimeError):  # elsewhere, or a symbolic link loop (an error for the reader to say)
         return None
-    if len(parts) != 3 or parts[0] != PAPER_DIR or not parts[2].endswith(PRESET_SUFFIX) or path.is_file():
+    folder, arch = relative.parent.as_posix(), relative.name.removesuffix(PRESET_SUFFIX)
+    family = arch_folders(root).get(folder)
+    if family is None or relative.suffix != PRESET_SUFFIX or arch not in family.archs(folder) or path.is_file():
         return None
-    size, arch = parts[1], parts[2].removesuffix(PRESET_SUFFIX)
-    size_file = root / PAPER_DIR / size / f"{SIZE_BASE}{PRESET_SUFFIX}"
-    return (size_file, size, arch) if arch in paper_archs(size) and size_file.is_file() else None
+    return GeneratedPreset(root / folder / f"{FOLDER_BASE}{PRESET_SUFFIX}", folder, arch, family)
 
 
-def _paper_layer(size_file: Path, size: str, arch: str) -> Layer:
-    """What ``paper/<size>/<arch>`` adds to its size's ``_base.yaml``: ``model.arch``, the run name
-    ``paper-<size>-<arch>``, and a description of what it reproduces (the registry's label, the size's own
-    description)."""
-    label = ARCH_SPECS[arch].label
+def _generated_layer(preset: GeneratedPreset) -> Layer:
+    """What ``<folder>/<arch>`` adds to its folder's ``_base.yaml``: ``model.arch``, the run name and a description
+    (from the registry's label and the ``_base``'s own description)."""
+    base_file, folder, arch, family = preset
     try:
-        setting = str(read_mapping(size_file, short_path(size_file), "experiment").get("description") or size)
+        setting = str(read_mapping(base_file, short_path(base_file), "experiment").get("description") or folder)
     except ConfigError:  # reported when the chain reads the file
-        setting = size
-    if arch in PAPER_ARCHS:
-        description = f"reproduces the paper's {size} {label} run ({PAPER}): {setting}"
-    else:
-        description = (f"the paper's {size} setting with a baseline the paper did not run, {label} "
-                       f"(docs/architectures.md): {setting}")
-    layer = {"name": f"{PAPER_DIR}-{size}-{arch}", "description": description, "model": {"arch": arch}}
-    return f"preset {PAPER_DIR}/{size}/{arch} ({SIZE_BASE} with model.arch={arch})", layer
+        setting = folder
+    name = f"{folder.replace('/', '-')}-{arch}"
+    layer = {"name": name, "description": family.describe(folder, arch, setting), "model": {"arch": arch}}
+    return f"preset {folder}/{arch} ({FOLDER_BASE} with model.arch={arch})", layer
 
 
 def _is_preset(path: Path, root: Path) -> bool:
-    return path.is_file() or paper_preset(path, root) is not None
+    return path.is_file() or generated_preset(path, root) is not None
 
 
 def load_experiment(
@@ -153,14 +195,15 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config") -> Experim
 
 def experiment_path(experiment: str | Path, root: Path | None = None) -> Path:
     """The file of a preset name (``tiny/transformer``: looked up inside ``root``, the experiments folder, only) or
-    of a path (``./x.yaml``, ``/abs/x.yaml``, ``../x``: see :func:`~satlab.config.specs.user_path`). For a paper
-    preset (``paper/small/satformer``) that file is not on disk: :func:`paper_preset` says what it holds."""
+    of a path (``./x.yaml``, ``/abs/x.yaml``, ``../x``: see :func:`~satlab.config.specs.user_path`). For a generated
+    preset (``tiny/satformer``, ``paper/small/satformer``) that file is not on disk: :func:`generated_preset` says
+    what it holds."""
     root = default_experiments_dir() if root is None else root
     if not str(experiment).strip():
         raise ConfigError("the experiment is empty: give a preset name (default, tiny/satformer, ...) or the path of "
                           "a YAML file (./my.yaml)")
     if (as_path := user_path(experiment)) is not None:
-        generated = paper_preset(as_path, root) is not None  # a trial file's base: /abs/.../paper/small/x.yaml
+        generated = generated_preset(as_path, root) is not None  # a trial file's base: /abs/.../paper/small/x.yaml
         return as_path if generated else existing(as_path, "experiment", str(experiment))
     path = named_file(root, str(experiment), PRESET_SUFFIX, "experiment preset")
     if not _is_preset(path, root):
@@ -173,16 +216,17 @@ def experiment_path(experiment: str | Path, root: Path | None = None) -> Path:
 
 
 def _unknown_preset(kind: str, name: str, root: Path) -> str:
-    """The message for a preset name that is not one: under ``paper/<size>/`` the architectures of that size (and
-    the sizes that have the one asked for), else every preset."""
-    parts = name.removesuffix(PRESET_SUFFIX).split("/")
-    if len(parts) != 3 or parts[0] != PAPER_DIR or parts[1] not in (sizes := paper_sizes(root)):
+    """The message for a preset name that is not one: in a folder of :func:`arch_folders`, that folder's presets (and
+    where its family, such as the paper's sizes, has the architecture asked for), else every preset."""
+    folder, _, arch = name.removesuffix(PRESET_SUFFIX).rpartition("/")
+    folders = arch_folders(root)
+    if folder not in folders:
         return unknown_name(kind, name, list_experiments(root))
-    size, arch = parts[1:]
-    which = f"the architectures the paper ran at {size}" if size in PAPER_SIZE_ARCHS else "every architecture"
-    elsewhere = [f"{PAPER_DIR}/{s}/{arch}" for s in sizes if arch in paper_archs(s)]
-    return (unknown_name(kind, name, [f"{PAPER_DIR}/{size}/{a}" for a in paper_archs(size)])
-            + f" ({PAPER_DIR}/{size}/<arch> is {PAPER_DIR}/{size}/{SIZE_BASE} with model.arch=<arch>, for {which}"
+    family, archs = folders[folder], folders[folder].archs(folder)
+    which = "every architecture" if len(archs) == len(ARCH_SPECS) else f"{', '.join(archs)} only"
+    elsewhere = [f"{other}/{arch}" for other, f in folders.items() if f is family and arch in f.archs(other)]
+    return (unknown_name(kind, name, [f"{folder}/{a}" for a in archs])
+            + f" ({folder}/<arch> is {folder}/{FOLDER_BASE} with model.arch=<arch>, for {which}"
             + (f"; {arch} is at {', '.join(elsewhere)}" if elsewhere else "") + ")")
 
 
@@ -198,9 +242,9 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
             problems.append(f"cycle in 'base:' chain: {cycle}")
             break
         seen.append(resolved)
-        if (generated := paper_preset(current, root)) is not None:
-            layers.append(_paper_layer(*generated))
-            current = generated[0]
+        if (generated := generated_preset(current, root)) is not None:
+            layers.append(_generated_layer(generated))
+            current = generated.base_file
             continue
         data = _read_yaml(current, problems)
         if data is None:
