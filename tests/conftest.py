@@ -5,3 +5,11 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Tests that start processes (marked ``process``: trial workers, ranks, servers, kills) run first, in their
+    order. pytest-xdist hands each worker a contiguous share of the list and an idle worker steals from the end of
+    another's; with the long tests at the front, the run ends on short ones instead of one worker finishing a
+    two-minute test while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("process") is None)

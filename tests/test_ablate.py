@@ -276,6 +276,7 @@ def finished_children(client: mlflow.MlflowClient, parent_run_id: str) -> dict[s
     return {r.data.tags[CELL_TAG]: r.info.run_id for r in runs}
 
 
+@pytest.mark.process
 def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     spec = load_ablation(write_micro_spec(tmp_path))
     result = run_study(spec, workers=2)
@@ -410,6 +411,7 @@ def test_a_second_driver_joins_the_queue_without_queueing_the_cells_again(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_killed_ablation_resumes_only_the_unfinished_cells(tmp_path: Path) -> None:
     """SIGKILL the driver while its second cell trains: that cell's process ends with it, and the same command
     then runs the second and later cells only."""
@@ -486,6 +488,7 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
     assert files["accuracy_vs_difficulty"].exists() and files["loss_curves"].exists()
 
 
+@pytest.mark.process
 def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_path: Path) -> None:
     overrides = {"data.mqar.vocab_size": 64, "data.seq_len": 16, "data.mqar.num_pairs": 2,
                  "data.mqar.eval_sequences": 64, "train.micro_batch_size": 16, "train.global_batch_tokens": 256,

@@ -530,6 +530,7 @@ def test_a_data_problem_is_one_clear_error_and_writes_nothing(case, tmp_path, ca
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.process
 def test_overrides_are_accepted_before_and_after_flags(monkeypatch):
     import argparse
 

@@ -144,6 +144,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory sets glibc's mallopt; elsewhere "
                                                                "it is a no-op and the allocator decides")
+@pytest.mark.process
 def test_freed_memory_stays_in_the_process_so_the_next_step_does_not_fault_its_pages_in_again():
     """By default glibc hands each freed 64 MB block back to the OS and faults its 16,384 pages in again at the next
     step; kept, a step after warm-up reuses the heap (its growth may still end during the measured steps)."""

@@ -293,6 +293,7 @@ def test_print_config_renders_the_yaml() -> None:
 HEAVY = ("torch", "lightning", "mlflow", "optuna", "datasets", "lm_eval", "pandas", "scipy")
 
 
+@pytest.mark.process
 def test_help_and_a_checked_config_import_no_framework() -> None:
     """`satlab --help` builds every command's arguments, and a preset is loaded, checked and printed, without
     importing torch, Lightning, MLflow, Optuna or the data and evaluation libraries (importing Lightning alone

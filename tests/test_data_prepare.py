@@ -111,6 +111,7 @@ prepare_data(DataConfig(source=sys.argv[1], cache_dir=sys.argv[2], num_proc=2,
 """
 
 
+@pytest.mark.process
 def test_a_killed_preparation_resumes_to_the_same_bytes(parquet: Path, reference, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL (no cleanup at all) in the middle of tokenizing, with two worker processes."""

@@ -51,6 +51,7 @@ def single_process_losses(workdir):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+@pytest.mark.process
 def test_two_cpu_processes_match_one_process_with_the_same_global_batch(workdir, single_process_losses, strategy):
     """DDP, and FSDP2 sharding through the model-parallel strategy, both on gloo."""
     losses = train_losses(workdir, strategy, "train.devices=2", f"train.strategy={strategy}")

@@ -143,6 +143,7 @@ def histories(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
             for key in client.get_run(run_id).data.metrics}
 
 
+@pytest.mark.process
 def test_a_server_stopped_and_restarted_mid_run_loses_no_point(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tracking_buffer, "RETRY_SECONDS", 0.5)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -224,6 +225,7 @@ def disk_size_for(checkpoints: float) -> int:
 
 
 @pytest.mark.parametrize("precheck", [True, False], ids=["checked before the write", "write fails midway"])
+@pytest.mark.process
 def test_a_full_disk_stops_the_run_with_its_own_message_and_code_and_keeps_the_last_checkpoint(
         precheck, tmp_path, small_disk, monkeypatch, capsys):
     from satlab.config.errors import EXIT_NO_SPACE

@@ -28,6 +28,7 @@ rather than all ten: what this test guards is the script, every step of it. Ever
 paper's depth is tests/test_compile.py; every one sharded on two ranks, tests/test_sharding.py."""
 
 
+@pytest.mark.process
 def test_the_gpu_check_passes_every_step_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check"
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "GPU_CHECK_BREAK", "DEEP_ARCHS")}
@@ -70,6 +71,7 @@ def test_auto_resolves_to_what_the_machine_computes_fast(monkeypatch: pytest.Mon
     assert resolve_precision(explicit) is explicit
 
 
+@pytest.mark.process
 def test_the_wheelhouse_carries_what_the_gpu_image_lacks_and_never_its_cuda_stack() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "wheelhouse.py"), "--list"], capture_output=True,
                           text=True, timeout=120)

@@ -1,11 +1,12 @@
 """Studies and MLflow on a real PostgreSQL server, as a team runs them across hosts: a throwaway server (initdb +
 pg_ctl on a free port in a temp folder, as the postgres user when the tests run as root), then (a) a micro ablation
 run by two driver processes from two working directories, as two hosts would, one of them SIGKILLed mid-cell,
-(b) a sweep shared by two drivers and (c) a training run logging to an MLflow server whose backend store is that
-PostgreSQL. Every process is started on a free port and stopped by PID."""
+every run logging to an MLflow server whose backend store is that PostgreSQL, and (b) a sweep shared by two
+drivers. Every process is started on a free port and stopped by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
@@ -31,6 +33,8 @@ from satlab.studies.loader import load_ablation
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG
 from satlab.studies.storage import open_storage
+
+pytestmark = pytest.mark.process
 
 MICRO = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -107,6 +111,32 @@ def make_store(folder: Path) -> str:
     return uri
 
 
+@contextlib.contextmanager
+def mlflow_server(backend: str, artifacts: Path) -> Iterator[str]:
+    """``http://127.0.0.1:<port>``: an MLflow server whose backend store is ``backend`` (PostgreSQL here), as a team
+    shares one across hosts; stopped by its process group."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
+                               "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                mlflow.MlflowClient(uri).search_experiments()
+                break
+            except Exception:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(1)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
 def start(command: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "satlab.cli.main", *command], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -156,10 +186,17 @@ def test_two_hosts_share_an_ablation_grid_one_killed_mid_cell_and_match_one_host
     """Two drivers from two working directories share a grid on PostgreSQL; the first is SIGKILLed while it trains
     a cell. The other finishes its own cell, then the dead host's (once its heartbeat is stale): every cell ends
     with one FINISHED run, each trial launched once but the lost one (retried once), and the losses are those of
-    one host running the grid alone."""
-    store = make_store(tmp_path)
+    one host running the grid alone. Every run logs to an MLflow server whose backend store is the same PostgreSQL
+    server."""
+    with mlflow_server(postgres("mlflow"), tmp_path / "artifacts") as store:
+        two_hosts, one_host, cells = run_two_hosts_then_one(postgres("grid"), store, tmp_path, monkeypatch)
+    with capsys.disabled():
+        print(f"\nmicro ablation, {cells} cells: two drivers on PostgreSQL, one killed, {two_hosts:.0f} s; "
+              f"one driver {one_host:.0f} s")
+
+
+def run_two_hosts_then_one(url: str, store: str, tmp_path: Path, monkeypatch) -> tuple[float, float, int]:
     shared = write_spec(tmp_path, "shared", store)
-    url = postgres("grid")
     started = time.monotonic()
     drivers = [start(["ablate", str(shared), "--storage", url, "--no-report"], cwd) for cwd in hosts(tmp_path)]
     victim, survivor = drivers
@@ -199,9 +236,12 @@ def test_two_hosts_share_an_ablation_grid_one_killed_mid_cell_and_match_one_host
     one_host = time.monotonic() - started
     reference = cell_losses(store, alone)
     assert cell_losses(store, shared, only_runs=False) == pytest.approx(reference, rel=1e-6)
-    with capsys.disabled():
-        print(f"\nmicro ablation, {len(reference)} cells: two drivers on PostgreSQL, one killed, {two_hosts:.0f} s; "
-              f"one driver on sqlite {one_host:.0f} s")
+    client = mlflow.MlflowClient(store)  # a run through the server: its history and its artifacts
+    run = client.search_runs([client.get_experiment_by_name(load_ablation(alone).experiment_name).experiment_id],
+                             f"tags.`{CELL_TAG}` != ''", max_results=1)[0]
+    assert len(client.get_metric_history(run.info.run_id, "val/loss")) > 1
+    assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    return two_hosts, one_host, len(reference)
 
 
 def test_two_drivers_share_a_sweep(postgres, tmp_path):
@@ -223,32 +263,3 @@ def test_two_drivers_share_a_sweep(postgres, tmp_path):
     runs = mlflow.MlflowClient(store).search_runs(
         [mlflow.MlflowClient(store).get_run(parent).info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")
     assert sorted(int(r.data.tags["optuna.trial_number"]) for r in runs) == [0, 1]
-
-
-def test_a_run_logs_to_an_mlflow_server_backed_by_postgres(postgres, tmp_path):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres("mlflow"),
-                               "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
-                               "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                mlflow.MlflowClient(f"http://127.0.0.1:{port}").search_experiments()
-                break
-            except Exception:
-                time.sleep(1)
-        overrides = [f"{k}={v}" for k, v in MICRO.items()]
-        proc = subprocess.run([sys.executable, "-m", "satlab.cli.main", "train", "experiment=default", "--no-progress",
-                               "name=pg-run", *overrides, f"train.out_dir={tmp_path / 'runs'}",
-                               f"tracking.uri=http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        client = mlflow.MlflowClient(f"http://127.0.0.1:{port}")
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        (run,) = client.search_runs(experiments, "attributes.run_name = 'pg-run'")
-        assert run.info.status == "FINISHED" and len(client.get_metric_history(run.info.run_id, "val/loss")) > 1
-        assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)

@@ -348,6 +348,7 @@ TINY = [
 ]
 
 
+@pytest.mark.process
 def test_two_rank_torchrun_job_prepares_once(tmp_path):
     """torchrun starts both ranks at once; rank 0 prepares (holding on until rank 1 has looked for the data in
     vain while rank 0's status was there, so that rank 1 surely waits), rank 1 waits, and both train on the one token

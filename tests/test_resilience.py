@@ -76,6 +76,7 @@ def losses_by_step(tmp_path, name: str) -> tuple[dict[int, float], str]:
     return {step: value for step, (_, value) in latest.items()}, run.info.status
 
 
+@pytest.mark.process
 def test_a_second_run_of_the_same_name_is_refused_while_the_first_trains_and_accepted_after_it_is_killed(tmp_path):
     first = start(tmp_path, "shared")
     lock = tmp_path / "runs" / "shared" / ".lock"
@@ -119,6 +120,7 @@ def stop_in_a_checkpoint_write(proc: subprocess.Popen, checkpoints, deadline: fl
         time.sleep(0.0005)
 
 
+@pytest.mark.process
 def test_after_five_sigkills_every_mlflow_history_equals_the_uninterrupted_runs(tmp_path):
     """Kills land at random moments, two of them while a checkpoint is being written; after the resumes each
     metric has exactly the points of a run that was never killed (timings aside, which differ by nature): every
@@ -160,6 +162,7 @@ def test_after_five_sigkills_every_mlflow_history_equals_the_uninterrupted_runs(
     assert not differ, differ
 
 
+@pytest.mark.process
 def test_sigterm_writes_a_checkpoint_then_the_run_resumes_in_the_same_mlflow_run(tmp_path):
     proc = start(tmp_path, "preempted")
     wait_for_checkpoint(tmp_path, "preempted", proc)

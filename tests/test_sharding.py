@@ -103,6 +103,7 @@ def sharded_losses(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.process
 def test_fsdp2_on_two_ranks_trains_every_architecture_to_the_single_process_losses(sharded_losses, arch):
     torch.set_num_threads(1)
     single = train_losses(prepared(arch, "eager"))

@@ -118,12 +118,14 @@ def test_spec_errors_name_the_problem(overrides, message):
     assert message in str(error.value)
 
 
+@pytest.mark.process
 def test_the_cli_reports_spec_errors_with_exit_code_2():
     proc = subprocess.run([sys.executable, "-m", "satlab.cli.main", "sweep", "lr_tiny", "sampler.name=tpee"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "did you mean 'tpe'" in proc.stderr
 
 
+@pytest.mark.process
 def test_multi_gpu_trials_go_through_torchrun_and_get_their_own_gpus():
     cfg = load_experiment("default", ["train.accelerator=gpu", "train.devices=2", "train.micro_batch_size=16"]).train
     assert trial_command(Path("t.yaml"), 2, "gpu")[1:6] == ["-m", "torch.distributed.run", "--standalone",
@@ -151,6 +153,7 @@ def micro_sweep(tmp_path_factory):
     return folder, spec, out
 
 
+@pytest.mark.process
 def test_micro_sweep_records_complete_pruned_and_killed_trials(micro_sweep):
     folder, _, out = micro_sweep
     trials = {t.params["optim.lr"]: t for t in study_of(folder).trials}
@@ -162,6 +165,7 @@ def test_micro_sweep_records_complete_pruned_and_killed_trials(micro_sweep):
     assert "best transformer" in out
 
 
+@pytest.mark.process
 def test_micro_sweep_has_a_parent_run_with_one_child_per_trial(micro_sweep):
     folder, _, _ = micro_sweep
     parent_id = study_of(folder).user_attrs["mlflow_parent_run_id"]
@@ -178,12 +182,14 @@ def test_micro_sweep_has_a_parent_run_with_one_child_per_trial(micro_sweep):
             "report/optimization_history.png"} <= artifacts
 
 
+@pytest.mark.process
 def test_the_best_config_is_a_ready_to_run_experiment(micro_sweep):
     folder, _, _ = micro_sweep
     cfg = load_experiment(folder / "study" / "report" / "best.yaml")
     assert cfg.model.arch == "transformer" and cfg.optim.lr == pytest.approx(3e-3) and cfg.model.d_model == 32
 
 
+@pytest.mark.process
 def test_micro_sweep_trials_name_their_architecture_and_report_at_tokens_seen(micro_sweep):
     folder, _, _ = micro_sweep
     trials = {t.params["optim.lr"]: t for t in study_of(folder).trials}
@@ -194,6 +200,7 @@ def test_micro_sweep_trials_name_their_architecture_and_report_at_tokens_seen(mi
     assert trials[1e-3].constraints["gate_saturation"] == 1.0 and trials[1e-3].user_attrs["feasible"] is False
 
 
+@pytest.mark.process
 def test_micro_sweep_parent_run_carries_the_results_once_per_rerun(micro_sweep):
     folder, spec, _ = micro_sweep
     study = study_of(folder)
@@ -215,6 +222,7 @@ def test_micro_sweep_parent_run_carries_the_results_once_per_rerun(micro_sweep):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_rerunning_the_command_resumes_the_study_and_its_parent_run(micro_sweep):
     folder, spec, _ = micro_sweep
     parent_before = study_of(folder).user_attrs["mlflow_parent_run_id"]
@@ -225,6 +233,7 @@ def test_rerunning_the_command_resumes_the_study_and_its_parent_run(micro_sweep)
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_two_workers_share_a_study_without_duplicated_or_lost_trials(tmp_path):
     spec = write_spec(tmp_path, fixed={"model.arch": "transformer"}, n_trials=4,
                       space={"optim.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
@@ -239,6 +248,7 @@ def test_two_workers_share_a_study_without_duplicated_or_lost_trials(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_killed_worker_is_restarted_and_every_trial_ends_with_a_reason(tmp_path):
     spec = write_spec(tmp_path, fixed={"model.arch": "transformer"}, n_trials=2,
                       trial={"heartbeat_seconds": 1, "grace_seconds": 3},
@@ -263,6 +273,7 @@ def test_a_killed_worker_is_restarted_and_every_trial_ends_with_a_reason(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_huge_learning_rate_is_pruned_for_nan(tmp_path):
     # the largest learning rate and weight decay the config accepts: AdamW's decay multiplies the weights by
     # 1 - lr * wd = -99 a step, and they overflow within a few steps

@@ -9,6 +9,7 @@ import sys
 import time
 
 import mlflow
+import pytest
 
 from satlab.config.loader import experiment_family, load_experiment
 
@@ -25,6 +26,7 @@ def test_experiment_family_of_a_preset():
     assert experiment_family("custom") is None and experiment_family("/somewhere/else.yaml") is None
 
 
+@pytest.mark.process
 def test_two_tiny_runs_share_one_experiment_with_arch_tags_and_are_running_while_they_train(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     (tmp_path / "mlruns").mkdir()
@@ -99,6 +101,7 @@ def test_a_run_is_tagged_with_the_cpus_name_and_model_number_wherever_proc_cpuin
     assert machine.cpu_model() == (platform.processor() or platform.machine())
 
 
+@pytest.mark.process
 def test_a_store_left_mid_transaction_by_a_killed_process_is_usable_by_the_next_run(tmp_path):
     """A run SIGKILLed while MLflow writes to its sqlite store leaves a hot journal; the next process's store check
     must roll it back (as any writer does) rather than refuse the store as read-only."""

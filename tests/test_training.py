@@ -104,6 +104,7 @@ def test_gate_parameters_get_their_own_learning_rate():
     assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.process
 def test_train_cli_rejects_a_typo_with_did_you_mean_and_exit_code_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "satlab.cli.main", "train", "optim.lrr=1e-3",
                            f"train.out_dir={tmp_path}"], capture_output=True, text=True, timeout=120)

@@ -113,6 +113,7 @@ def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it
     assert [label for label, _ in open_lines("http://mlflow.lab:5000", "u")] == ["compare in MLflow"]
 
 
+@pytest.mark.process
 def test_make_ui_serves_the_store_it_is_given_and_refuses_a_server_url(tmp_path):
     store = f"sqlite:///{tmp_path}/mlflow.db"
     dry = subprocess.run(["make", "-n", "ui", f"STORE={store}", "PY=true", "STAMP="], cwd=ROOT, capture_output=True,
@@ -127,6 +128,7 @@ needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None, reason="ne
 
 
 @needs_chromium
+@pytest.mark.process
 def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_renders(tmp_path):
     """A page that fills itself in after a second passes its check; a skeleton that never does is saved as
     ``*.failed.png`` and makes the tool exit 1. The check also looks inside a sandboxed iframe, as MLflow shows an
@@ -152,6 +154,7 @@ def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_r
 
 @pytest.mark.slow
 @needs_chromium
+@pytest.mark.process
 def test_the_screenshot_script_shows_every_view_rendered(tmp_path):
     """scripts/ui_screenshots.sh end to end (about 3 minutes here): two runs, an ablation and a sweep, five pages,
     each saved only once its check held (the comparison's lines, the parent's metrics, the report's images, the
