@@ -126,7 +126,9 @@ def test_after_five_sigkills_every_mlflow_history_equals_the_uninterrupted_runs(
     metric has exactly the points of a run that was never killed (timings aside, which differ by nature): every
     step's train/loss among them, so a resumed run trains each step after its checkpoint again, to the same loss."""
     often = ["train.ckpt_every_tokens=2048", "train.val_every_tokens=2048", "train.keep_last_k=2"]
-    finish(start(tmp_path, "calm", *often))
+    (tmp_path / "mlruns").mkdir()
+    mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}").search_experiments()  # made before two
+    calm_run = start(tmp_path, "calm", *often)  # processes use it; the uninterrupted reference, trained meanwhile
     rng = random.Random(0)
     checkpoints = tmp_path / "runs" / "killed5" / "checkpoints"
     for kill in range(5):
@@ -148,6 +150,7 @@ def test_after_five_sigkills_every_mlflow_history_equals_the_uninterrupted_runs(
         if kill % 2:
             assert list(checkpoints.glob(".*.tmp-*")), "the kill did not land in a checkpoint write"
     finish(start(tmp_path, "killed5", *often))
+    finish(calm_run)
     assert not list(checkpoints.glob(".*.tmp-*")), "a resumed run leaves killed writes behind"
     calm, _ = metric_histories(tmp_path, "calm")
     resumed, status = metric_histories(tmp_path, "killed5")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from filelock import FileLock
 
 from satlab.models import ARCHITECTURES, build_model
 from satlab.training.module import parameter_groups
@@ -97,8 +98,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sharded_losses(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fsdp2") / "losses.json"
-    mp.start_processes(_rank, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
+    """Every architecture trained once on two ranks, for all the parametrised cases: the losses are written to the
+    test session's shared folder under a lock, so a pytest-xdist worker that gets some of the cases reads them
+    instead of training the ranks again."""
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's folder is popen-gwN inside the session's
+        session = session.parent
+    out = session / "fsdp2-losses.json"
+    with FileLock(f"{out}.lock"):
+        if not out.is_file():
+            mp.start_processes(_rank, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
     return json.loads(out.read_text())
 
 
