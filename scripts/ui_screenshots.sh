@@ -57,9 +57,10 @@ objective: {metric: val/loss, direction: minimize}
 n_trials: 3
 sampler: {name: random, seed: 3}
 pruner: {name: none}
-# Any saturated gate breaks the constraint, and never stops a trial: SATFormer's trial 0 completes infeasible, with
-# (at this learning rate) a better val/loss than the Transformer's trial 1, which both views must name best.
-saturation: {threshold: 0.0, patience: 1000, windows: 4}
+# A guard that prunes (the default only observes, and sets no constraint) at threshold 0: any saturated gate breaks
+# the constraint, and with this patience never stops a trial. SATFormer's trial 0 completes infeasible, with (at this
+# learning rate) a better val/loss than the Transformer's trial 1, which both views must name best.
+saturation: {threshold: 0.0, patience: 1000, windows: 4, action: prune}
 enqueue: [{model.arch: satformer, optim.lr: 0.03}, {model.arch: transformer, optim.lr: 0.001}]
 out_dir: $WORK/sweep
 YAML
@@ -112,8 +113,8 @@ PARENT_METRICS="/Metrics \\([1-9][0-9]*\\)/.test(document.body.innerText)
 REPORT_IMAGES="document.title.startsWith('ablation') && document.images.length >= 2
   && [...document.images].every(i => i.complete && i.naturalWidth > 0)
   && (document.images[0].scrollIntoView(), true)"  # and show the learning curves
-BEST_SHOWN="/Trial $BEST\\s+Complete\\s+Best Trial/.test(document.body.innerText)
-  && document.body.innerText.split('Best Trial').length === 2"
+BEST_SHOWN="[...document.body.innerText.matchAll(/Trial (\\d+)\\s+Complete\\s+Best Trial/g)].map(m => m[1]).join()
+  === '$BEST'"  # in the trial list; the selected trial's own panel repeats its marks after its id
 $PY scripts/cdp_screenshot.py \
   "$OUT/runs_comparison.png" "$RUNS_URL" "$LOSS_FIRST" \
   "$OUT/ablation_comparison.png" "$ABLATION_URL" "$LOSS_FIRST" \

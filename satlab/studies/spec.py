@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import unknown_name
 from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
-from satlab.config.schema import ExperimentConfig
+from satlab.config.schema import MAX_TOKENS, ExperimentConfig
 from satlab.config.structured import field_problems, in_range
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
@@ -116,9 +116,9 @@ class PrunerSpec:
     base config's ``train.val_every_tokens``."""
 
     name: str = field(default="median", metadata={"choices": ("median", "hyperband", "none"), "label": "pruner"})
-    warmup_tokens: int = field(default=0, metadata=in_range(0, 10**15))
+    warmup_tokens: int = field(default=0, metadata=in_range(0, MAX_TOKENS))
     n_startup_trials: int = field(default=3, metadata=in_range(0, 10**6))
-    min_tokens: int | None = field(default=None, metadata=in_range(1, 10**15))
+    min_tokens: int | None = field(default=None, metadata=in_range(1, MAX_TOKENS))
     reduction_factor: int = field(default=3, metadata=in_range(2, 100))
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import satlab
+from satlab.config.archs import ARCH_SPECS
 from satlab.config.display import Param, flatten
 from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
@@ -198,8 +199,6 @@ def experiment_id(client: mlflow.MlflowClient, name: str, artifact_location: str
 def run_params(cfg: ExperimentConfig) -> dict[str, Param]:
     """The config as MLflow params, less the options of the architectures this run does not use (a run page
     would otherwise list every registered architecture's settings)."""
-    from satlab.config.archs import ARCH_SPECS
-
     unused = tuple(f"model.{a.name}." for a in ARCH_SPECS.values()
                    if a.options is not None and a.name != cfg.model.arch)
     return {k: v for k, v in flatten(cfg).items() if not k.startswith(unused)}

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
+from satlab.config.archs import ARCH_SPECS
+
 if TYPE_CHECKING:
     import mlflow
 
@@ -45,8 +47,6 @@ def colour(index: int) -> str:
 def arch_colour(arch: str) -> str:
     """An architecture's colour: its place in the registry, so the Transformer is the same blue in every
     experiment."""
-    from satlab.config.archs import ARCH_SPECS
-
     names = list(ARCH_SPECS)
     return colour(names.index(arch)) if arch in names else colour(len(names) + sum(map(ord, arch)))
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from satlab.config.archs import ArchSpec, declare
+from satlab.config.structured import in_range
 
 
 @dataclass
 class BlockAttnResOptions:
-    block_size: int = field(default=4, metadata={"range": (2, 4096, False)})  # sublayers per block
+    block_size: int = field(default=4, metadata=in_range(2, 4096))  # sublayers per block
 
     def problems(self, cfg: Any) -> list[str]:
         if cfg.mlp_hidden > 0 and self.block_size % 2:

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from satlab.config.archs import ArchSpec, declare
+from satlab.config.structured import in_range
 
 
 @dataclass
 class DenseFormerOptions:
     """Depth-weighted average after every ``period``-th block, over blocks j with j ≡ i (mod ``dilation``)."""
 
-    dilation: int = field(default=1, metadata={"range": (1, 4096, False)})
-    period: int = field(default=1, metadata={"range": (1, 4096, False)})
+    dilation: int = field(default=1, metadata=in_range(1, 4096))
+    period: int = field(default=1, metadata=in_range(1, 4096))
 
 
 def dwa_sources(i: int, dilation: int) -> list[int]:

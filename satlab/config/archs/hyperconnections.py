@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from satlab.config.archs import ArchSpec, declare
+from satlab.config.structured import in_range
 
 
 @dataclass
 class HyperConnectionOptions:
     """Dynamic hyper-connections with ``expansion`` residual copies."""
 
-    expansion: int = field(default=4, metadata={"range": (1, 64, False)})
+    expansion: int = field(default=4, metadata=in_range(1, 64))
     recompute: bool = True  # recompute the mixing coefficients in backward instead of storing them
 
 

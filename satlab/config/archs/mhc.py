@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from satlab.config.archs import ArchSpec, declare
+from satlab.config.structured import in_range
 
 
 @dataclass
 class MHCOptions:
-    streams: int = field(default=4, metadata={"range": (2, 16, False)})
-    sinkhorn_iters: int = field(default=20, metadata={"range": (1, 1000, False)})
+    streams: int = field(default=4, metadata=in_range(2, 16))
+    sinkhorn_iters: int = field(default=20, metadata=in_range(1, 1000))
     recompute: bool = True  # recompute H_pre, H_post, H_res (Sinkhorn included) in backward instead of storing them
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from satlab.config.archs import ArchSpec, declare
 from satlab.config.gate_functions import GATE_FUNCTIONS
+from satlab.config.structured import in_range
 
 GATE_GRANULARITIES = ("static_layer", "static_head", "token", "token_head", "token_channel")
 
@@ -23,8 +24,8 @@ class SATFormerOptions:
     gate_granularity: str = field(default="token_head", metadata={"choices": GATE_GRANULARITIES})
     gate_fn: str = field(default="relu", metadata={"choices": tuple(GATE_FUNCTIONS)})
     last_k: int | None = None
-    gate_bias: float | None = field(default=None, metadata={"range": (-100, 100, False)})
-    static_init: float = field(default=0.5, metadata={"range": (-100, 100, False)})
+    gate_bias: float | None = field(default=None, metadata=in_range(-100, 100))
+    static_init: float = field(default=0.5, metadata=in_range(-100, 100))
     detach_v1: bool = False
 
     def problems(self, cfg: Any) -> list[str]:
