@@ -17,18 +17,22 @@ from pathlib import Path
 from typing import Any
 
 from satlab.config.archs import ARCH_SPECS
-from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
 from satlab.config.specs import existing, named_file, parse_item, read_mapping, short_path, user_path
-from satlab.config.structured import Layer, build, field_problems, short_repr
+from satlab.config.structured import Layer, build, field_problems
 
 ENV_EXPERIMENTS_DIR = "SATLAB_EXPERIMENTS_DIR"
 PRESET_SUFFIX = ".yaml"
 MAX_MIX_SHARE = 0.5
 """The largest share of the train tokens one ``data.mix`` source may take."""
-RUN_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-"""A run name is one path component under ``train.out_dir``: letters, digits, ``.``, ``_`` and ``-``."""
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+"""A run name is one path component under ``train.out_dir``: ASCII letters, digits, ``.``, ``_`` and ``-``
+(``fullmatch``: a trailing newline is no part of a name)."""
+RUN_NAME_CHARS = re.compile(r"[A-Za-z0-9._-]")
+RUN_NAME_RULE = ("ASCII letters (a-z, A-Z), digits (0-9), '.', '_' and '-' only (no accented or other non-ASCII "
+                 "letters, no spaces), 1 to 200 of them, not '.' or '..'")
 
 _TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file, folder or glob, or a hub dataset",
          "data.cache_dir": "a folder for the data caches", "train.out_dir": "the folder of the run folders",
@@ -258,7 +262,7 @@ def _preset_chain(path: Path, root: Path, problems: list[str]) -> list[Layer]:
 def _base_path(base: Any, child: Path, root: Path, problems: list[str]) -> Path | None:
     """``./x`` and ``../x`` are relative to the file that names them; a bare name is a preset under ``root``."""
     if not isinstance(base, str) or not base:
-        problems.append(f"{short_path(child)}: 'base' must be a preset name or a relative path, got {base!r}")
+        problems.append(f"{short_path(child)}: 'base' must be a preset name or a relative path, got {shown(base)}")
         return None
     name = base if base.endswith((".yaml", ".yml")) else f"{base}{PRESET_SUFFIX}"
     relative = base.startswith(("./", "../")) or Path(base).is_absolute()
@@ -314,10 +318,9 @@ def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:
 def _value_problems(cfg: ExperimentConfig) -> list[str]:
     """Every out-of-range value, unknown choice and inconsistency of a merged config (model resolved)."""
     problems = []
-    if not RUN_NAME.match(cfg.name) or cfg.name in (".", ".."):
-        problems.append(f"name {short_repr(cfg.name)} is not a run name: it names the folder {cfg.train.out_dir}/"
-                        "<name>, so it must be letters, digits, '.', '_' and '-' only (1 to 200 of them, not '.' or "
-                        "'..')")
+    if not RUN_NAME.fullmatch(cfg.name) or cfg.name in (".", ".."):
+        problems.append(f"name {shown(cfg.name)} is not a run name{name_characters(cfg.name, RUN_NAME_CHARS)}: it "
+                        f"names the folder {cfg.train.out_dir}/<name>, so it must be {RUN_NAME_RULE}")
     problems.extend(field_problems(cfg, skip=("model",)))  # declared ranges and choices; resolve_model_config's: model
     problems.extend(f"{key} is empty; it needs {what}" for key, what in _TEXT.items() if not attrgetter(key)(cfg))
     if cfg.data.tokenizer.kind == "bpe" and cfg.data.tokenizer.vocab_size < BPE_MIN_VOCAB:
@@ -353,11 +356,19 @@ def mix_problems(mix: Mapping[str, float]) -> list[str]:
             problems.append(unknown_name("data.mix source", name, MIX_SOURCES))
         elif isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= MAX_MIX_SHARE:
             problems.append(f"data.mix.{name} must be in (0, {MAX_MIX_SHARE}] (its share of the train tokens), "
-                            f"got {share!r}; leave it out to mix nothing")
+                            f"got {shown(share)}; leave it out to mix nothing")
     total = sum(v for v in mix.values() if isinstance(v, int | float))
     if len(mix) > 1 and not total < 1:
-        problems.append(f"the shares of data.mix must sum to < 1 (the rest is the corpus), got {total!r}")
+        problems.append(f"the shares of data.mix must sum to < 1 (the rest is the corpus), got {shown(total)}")
     return problems
+
+
+def name_characters(name: str, allowed: re.Pattern[str]) -> str:
+    """`` ('é' (U+00E9) and ' ' are not allowed)``: the first characters of ``name`` that ``allowed`` (a pattern of
+    one character) refuses, for a message that states a naming rule; empty when there are none."""
+    bad = list(dict.fromkeys(c for c in name if not allowed.fullmatch(c)))[:3]
+    return f" ({' and '.join(f'{c!r} (U+{ord(c):04X})' for c in bad)} {'is' if len(bad) == 1 else 'are'} not " \
+           "allowed)" if bad else ""
 
 
 def safe_run_name(text: str) -> str:

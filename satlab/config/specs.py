@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.errors import ECHO_CHARS, ConfigError, quoted, unknown_name
 
 
 def short_path(path: Path) -> str:
@@ -31,6 +31,9 @@ def short_path(path: Path) -> str:
 MAX_YAML_BYTES = 1 << 20
 """The largest experiment or spec file read (1 MiB): the largest shipped one is a few kB, and YAML of 10 MB takes
 minutes to parse."""
+MAX_EXPANDED_CHARS = 4 * MAX_YAML_BYTES
+"""The most characters a file may hold once its YAML aliases are expanded: a file of 1 MiB that aliases one long
+value a thousand times (or nests aliases, the "billion laughs") would otherwise become gigabytes in memory."""
 MAX_ITEM_CHARS = 10_000
 """The longest ``key=value`` command-line item: longer text belongs in a file."""
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -55,6 +58,10 @@ def read_mapping(path: Path, label: str | None = None, what: str = "config file"
             shape = "a list" if isinstance(node, yaml.SequenceNode) else "a single value"
             raise ConfigError(f"{label} holds {shape} at the top level, not a mapping of keys: it is not a satlab "
                               f"{what}")
+        if node is not None and (size := expanded_size(node)) > MAX_EXPANDED_CHARS:
+            raise ConfigError(f"{label}: its aliases (*name) expand its {len(text):,} characters of YAML to about "
+                              f"{size:,}; experiment and spec files may expand to at most {MAX_EXPANDED_CHARS:,} "
+                              "characters (repeat a value by writing it again, not by aliasing it many times over)")
         loaded = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{label}{_yaml_error(e, text)}") from None
@@ -68,6 +75,27 @@ def read_mapping(path: Path, label: str | None = None, what: str = "config file"
         raise ConfigError(f"{label} is not a satlab {what}: none of its {len(data)} top-level key(s) is one of "
                           f"{', '.join(known)}")
     return data
+
+
+def expanded_size(node: yaml.Node) -> int:
+    """The characters of a composed YAML document with every alias expanded (each node counted as one more), counted
+    without expanding it: an alias is the node it names, so each node's size is computed once."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        sizes[id(n)] = 1  # a node that contains itself (a recursive alias) counts once
+        if isinstance(n, yaml.ScalarNode):
+            total = 1 + len(n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in n.value)
+        else:
+            total = 1 + sum(size(k) + size(v) for k, v in n.value)
+        sizes[id(n)] = total
+        return total
+
+    return size(node)
 
 
 def _read_text(path: Path, label: str) -> str:
@@ -114,15 +142,15 @@ def parse_item(item: str, what: str, example: str) -> tuple[str, Any]:
     value, read as YAML by OmegaConf's dotlist (``1e-3``, ``[0, 1]``, ``null``); the one parser of both. A
     :class:`ConfigError` says why ``item`` (``what``: "override", "item") is refused, with ``example``."""
     if len(item) > MAX_ITEM_CHARS:
-        raise ConfigError(f"the item '{item[:40]}...' is {len(item):,} characters; a command-line item is at most "
+        raise ConfigError(f"the item {quoted(item, 40)} is {len(item):,} characters; a command-line item is at most "
                           f"{MAX_ITEM_CHARS:,} (put long text in a YAML file)")
     key, sep, text = item.partition("=")
     if not sep or not key.strip() or "" in key.split("."):
-        raise ConfigError(f"malformed {what} '{item}': expected key=value, e.g. {example}")
+        raise ConfigError(f"malformed {what} {quoted(item)}: expected key=value, e.g. {example}")
     try:
         return key, OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
     except (yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"malformed {what} '{item}': {' '.join(str(e).split())}") from None
+        raise ConfigError(f"malformed {what} {quoted(item)}: {' '.join(str(e).split())[:ECHO_CHARS]}") from None
 
 
 def user_path(name_or_path: str | Path) -> Path | None:
@@ -140,7 +168,7 @@ def existing(path: Path, kind: str, given: str) -> Path:
     try:
         path.stat()
     except FileNotFoundError:
-        raise ConfigError(f"{kind} file not found: {given}") from None
+        raise ConfigError(f"{kind} file not found: {quoted(given)}") from None
     except OSError as e:
         raise ConfigError(f"{kind} file {given}: cannot read it: {e.strerror or e}") from None
     return path
@@ -151,8 +179,8 @@ def named_file(root: Path, name: str, suffix: str, kind: str) -> Path:
     looked up inside the project's folder only; a file elsewhere is given as a path."""
     relative = os.path.normpath(name)
     if relative == ".." or relative.startswith(("../", "/")):
-        raise ConfigError(f"{kind} name '{name}' leaves {root}: names are looked up inside that folder only; give a "
-                          "file elsewhere as a path to it (./x.yaml, /abs/path/x.yaml)")
+        raise ConfigError(f"{kind} name {quoted(name)} leaves {root}: names are looked up inside that folder only; "
+                          "give a file elsewhere as a path to it (./x.yaml, /abs/path/x.yaml)")
     return root / f"{name}{suffix}"
 
 

@@ -21,15 +21,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.archs import ARCH_SPECS
-from satlab.config.errors import unknown_name
-from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
+from satlab.config.errors import quoted, shown, unknown_name
+from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment, name_characters
 from satlab.config.schema import MAX_TOKENS, ExperimentConfig
 from satlab.config.structured import field_problems, in_range
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.-]")
 
 
 def format_value(value: Any) -> str:
@@ -87,11 +88,11 @@ class Param:
             scalars = not any(isinstance(c, dict | list) for c in self.choices)
             return [] if scalars else ["choices must be scalars (numbers, strings, booleans or null)"]
         if self.low is None or self.high is None:
-            return [f"a {self.type} range needs numeric 'low' and 'high', got {self.low!r}, {self.high!r}"]
-        checks = [(self.low < self.high, f"low must be < high, got low={self.low!r}, high={self.high!r}"),
-                  (not self.log or self.low > 0, f"a log range needs low > 0, got {self.low!r}"),
+            return [f"a {self.type} range needs numeric 'low' and 'high', got {shown(self.low)}, {shown(self.high)}"]
+        checks = [(self.low < self.high, f"low must be < high, got low={shown(self.low)}, high={shown(self.high)}"),
+                  (not self.log or self.low > 0, f"a log range needs low > 0, got {shown(self.low)}"),
                   (self.type != "int" or all(float(v).is_integer() for v in (self.low, self.high)),
-                   f"an int range needs whole low and high, got {self.low!r}, {self.high!r}"),
+                   f"an int range needs whole low and high, got {shown(self.low)}, {shown(self.high)}"),
                   (self.step is None or (self.step > 0 and not self.log),
                    "step must be > 0 and cannot be combined with log")]
         return [message for ok, message in checks if not ok][:1]
@@ -210,9 +211,10 @@ class StudySpec(abc.ABC):
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def problems(self) -> list[str]:
-        problems = [] if _NAME.match(self.name) else [
-            f"'name' must be letters, digits, '_', '.' or '-' (it names the study, its folder and its runs), "
-            f"got {self.name!r}"]
+        problems = [] if _NAME.fullmatch(self.name) else [
+            f"'name' must be ASCII letters (a-z, A-Z), digits (0-9), '_', '.' or '-', starting with a letter or "
+            f"digit (it names the study, its folder and its runs), got {shown(self.name)}"
+            f"{name_characters(self.name, _NAME_CHARS)}"]
         if self.trial.grace_seconds <= self.trial.heartbeat_seconds:
             problems.append("trial.grace_seconds must be larger than trial.heartbeat_seconds")
         return problems + field_problems(self)
@@ -256,7 +258,7 @@ class SweepSpec(StudySpec):
             problems.append("objective.metric must name a logged metric, e.g. val/loss")
         for i, point in enumerate(self.enqueue):
             if unknown := [k for k in point if k not in self.space]:
-                problems.append(f"enqueue[{i}]: {', '.join(unknown)} not in the search space "
+                problems.append(f"enqueue[{i}]: {shown(unknown)} not in the search space "
                                 f"({', '.join(self.space)})")
         return problems
 
@@ -347,7 +349,7 @@ class AblationSpec(StudySpec):
     def problems(self) -> list[str]:
         problems = super().problems()
         if self.timeout_minutes is not None and not self.timeout_minutes > 0:
-            problems.append(f"'timeout_minutes' must be a positive number or null, got {self.timeout_minutes!r}")
+            problems.append(f"'timeout_minutes' must be a positive number or null, got {shown(self.timeout_minutes)}")
         if self.trial.timeout_minutes is not None:
             problems.append("trial.timeout_minutes: an ablation's limit per cell is its top-level timeout_minutes")
         if not self.seed_key:
@@ -357,24 +359,36 @@ class AblationSpec(StudySpec):
                                "e.g. axes: {model.arch: [transformer, satformer], train.seed: [0, 1, 2]}"]
         for key, choices in self.axes.items():
             if not isinstance(choices, list):
-                problems.append(f"axis '{key}' must be a list of values, got {choices!r}")
+                problems.append(f"axis {quoted(key)} must be a list of values, got {shown(choices)}")
             elif not choices:
-                problems.append(f"axis '{key}' is empty: give it at least one value")
-            elif len({format_value(c) for c in choices}) < len(choices):
-                problems.append(f"axis '{key}' repeats a value: {choices}")
+                problems.append(f"axis {quoted(key)} is empty: give it at least one value")
+            elif repeated := _repeated(choices):
+                problems.append(f"axis {quoted(key)} repeats a value ({shown(repeated[0])}); each value of an axis is "
+                                f"one column of the grid, so give it once: {shown(choices)}")
             if key in self.overrides:
-                problems.append(f"'{key}' is both a fixed override and an axis; keep one")
+                problems.append(f"{quoted(key)} is both a fixed override and an axis; keep one")
         if self.saturation.action != "observe":
             problems.append("saturation.action must be 'observe' in an ablation: a pruned cell would leave a hole "
                             "in the grid (a sweep's guard can prune)")
         for key, value in self.baseline.items():
             if key == self.seed_key:
-                problems.append(f"baseline cannot fix the seed axis '{self.seed_key}': p-values are over seeds")
+                problems.append(f"baseline cannot fix the seed axis {quoted(self.seed_key)}: p-values are over seeds")
             elif key not in self.axes:
                 problems.append(unknown_name("baseline key (not an axis)", key, self.axes))
             elif isinstance(self.axes[key], list) and format_value(value) not in map(format_value, self.axes[key]):
-                problems.append(f"baseline {key}={format_value(value)} is not among the axis values {self.axes[key]}")
+                problems.append(f"baseline {quoted(key)} = {shown(value)} is not among the axis values "
+                                f"{shown(self.axes[key])}")
         return problems
+
+
+def _repeated(values: list[Any]) -> list[Any]:
+    """The values of ``values`` given more than once (as an override writes them, :func:`format_value`)."""
+    seen, again = set(), []
+    for value in values:
+        if (text := format_value(value)) in seen:
+            again.append(value)
+        seen.add(text)
+    return again
 
 
 KINDS: dict[str, type[StudySpec]] = {cls.kind: cls for cls in (SweepSpec, AblationSpec)}
