@@ -61,11 +61,13 @@ def _length(value: Any, depth: int) -> int:
     return len(repr(value))
 
 
-def _bounded(problem: str) -> str:
-    if len(problem) <= MAX_PROBLEM_CHARS:
-        return problem
-    half = MAX_PROBLEM_CHARS // 2
-    return f"{problem[:half]} [... {len(problem) - 2 * half:,} characters left out ...] {problem[-half:]}"
+def clipped(text: str, limit: int = MAX_PROBLEM_CHARS) -> str:
+    """``text`` cut in its middle to about ``limit`` characters: for a message made by a library (that may quote
+    a whole value), it keeps what went wrong at its start and what is valid at its end."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} [... {len(text) - 2 * half:,} characters left out ...] {text[-half:]}"
 
 
 class ConfigError(ValueError):
@@ -75,7 +77,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, problems: str | list[str]):
-        self.problems = [_bounded(p) for p in ([problems] if isinstance(problems, str) else problems)]
+        self.problems = [clipped(p) for p in ([problems] if isinstance(problems, str) else problems)]
         if len(self.problems) == 1:
             message = self.problems[0]
         else:

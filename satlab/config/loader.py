@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from satlab.config.archs import ARCH_SPECS
-from satlab.config.errors import ConfigError, shown, unknown_name
+from satlab.config.errors import ECHO_CHARS, ConfigError, quoted, shown, unknown_name
 from satlab.config.model import SIZE_PRESETS, resolve_model_config
 from satlab.config.schema import BPE_MIN_VOCAB, MIX_SOURCES, SYNTHETIC_PREFIX, SYNTHETIC_TASKS, ExperimentConfig
 from satlab.config.specs import existing, named_file, parse_item, read_mapping, short_path, user_path
@@ -31,7 +31,7 @@ RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 """A run name is one path component under ``train.out_dir``: ASCII letters, digits, ``.``, ``_`` and ``-``
 (``fullmatch``: a trailing newline is no part of a name)."""
 RUN_NAME_CHARS = re.compile(r"[A-Za-z0-9._-]")
-RUN_NAME_RULE = ("ASCII letters (a-z, A-Z), digits (0-9), '.', '_' and '-' only (no accented or other non-ASCII "
+RUN_NAME_RULE = ("letters, digits, '.', '_' and '-' of ASCII only (a-z, A-Z, 0-9: no accented or other non-ASCII "
                  "letters, no spaces), 1 to 200 of them, not '.' or '..'")
 
 _TEXT = {"data.source": "an embedded corpus (shakespeare, kjv, pystdlib), a file, folder or glob, or a hub dataset",
@@ -296,8 +296,13 @@ def _override_layers(overrides: Sequence[str], problems: list[str]) -> list[Laye
             continue
         for part in reversed(key.split(".")):
             value = {part: value}
-        layers.append((f"override '{item}'", value))
+        layers.append((override_source(item), value))
     return layers
+
+
+def override_source(item: str) -> str:
+    """How messages name the command-line override ``item`` (cut when long)."""
+    return f"override {quoted(item, ECHO_CHARS // 2)}"
 
 
 def _build(layers: Sequence[Layer], problems: list[str]) -> ExperimentConfig:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import did_you_mean, quoted, shown, unknown_name
+from satlab.config.errors import ECHO_CHARS, clipped, did_you_mean, quoted, shown, unknown_name
 from satlab.config.specs import flatten_mapping
 
 T = TypeVar("T")
@@ -228,4 +228,5 @@ def type_name(hint: Any) -> str:
 
 
 def first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    """The first line of a library's error message, cut in its middle when it quotes a long value."""
+    return clipped(str(error).splitlines()[0], 2 * ECHO_CHARS) if str(error) else type(error).__name__

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean, shown
+from satlab.config.loader import override_source
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import flatten_mapping, parse_item, read_spec, short_path, spec_names
 from satlab.config.structured import build, setting_hint, type_phrase, value_type_problem, without_none
@@ -138,8 +139,9 @@ def check_against_config(spec: StudySpec) -> None:
             try:
                 spec.base_config([override])
             except ConfigError as e:
-                problems.extend(f"{spec.kind} '{spec.name}', {override}: {p.removeprefix(f'override {override!r}: ')}"
-                                for p in e.problems)
+                source = override_source(override)
+                problems.extend(f"{spec.kind} '{spec.name}', {source.removeprefix('override ')}: "
+                                f"{p.removeprefix(f'{source}: ')}" for p in e.problems)
     if isinstance(spec, AblationSpec) and spec.compare_with is not None:
         try:  # read now, not at the end of the grid: it must be an ablation
             read_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix, _keys(type(spec)))

@@ -212,8 +212,9 @@ class StudySpec(abc.ABC):
 
     def problems(self) -> list[str]:
         problems = [] if _NAME.fullmatch(self.name) else [
-            f"'name' must be ASCII letters (a-z, A-Z), digits (0-9), '_', '.' or '-', starting with a letter or "
-            f"digit (it names the study, its folder and its runs), got {shown(self.name)}"
+            f"'name' must be letters, digits, '_', '.' or '-' of ASCII only (a-z, A-Z, 0-9: no accented or other "
+            f"non-ASCII letters, no spaces), starting with a letter or digit (it names the study, its folder and its "
+            f"runs), got {shown(self.name)}"
             f"{name_characters(self.name, _NAME_CHARS)}"]
         if self.trial.grace_seconds <= self.trial.heartbeat_seconds:
             problems.append("trial.grace_seconds must be larger than trial.heartbeat_seconds")
