@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 ECHO_CHARS = 200
@@ -147,9 +147,28 @@ def did_you_mean(name: str, valid: Iterable[str]) -> str:
 
 
 def unknown_name(kind: str, name: str, valid: Iterable[str]) -> str:
-    """One-line message for an unknown name, listing what is valid."""
+    """One-line message for an unknown name, listing what is valid (:func:`listing`)."""
     valid = sorted(valid)
-    return f"unknown {kind} {quoted(name)}{did_you_mean(name, valid)}; valid: {', '.join(valid)}"
+    return f"unknown {kind} {quoted(name)}{did_you_mean(name, valid)}; valid: {listing(valid)}"
+
+
+LISTED_CHARS = 2 * ECHO_CHARS
+"""How much of a list of valid names a message shows: the rest is counted, not listed."""
+
+
+def listing(names: Sequence[str], most: int | None = None, limit: int = LISTED_CHARS) -> str:
+    """``a, b, c``: the names in order, as many as fit in ``limit`` characters (and at most ``most``), then
+    ``... and 40 more``; each name cut as :func:`quoted` cuts a long one."""
+    shown_names: list[str] = []
+    used = 0
+    for name in names[:most]:
+        text = name if len(name) <= ECHO_CHARS else f"{name[:ECHO_CHARS]}..."
+        if shown_names and used + len(text) + 2 > limit:
+            break
+        shown_names.append(text)
+        used += len(text) + 2
+    rest = len(names) - len(shown_names)
+    return ", ".join(shown_names) + (f", ... and {rest} more" if rest else "")
 
 
 def quoted(text: Any, limit: int = ECHO_CHARS) -> str:

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 from satlab.config.display import flatten
 from satlab.config.errors import ConfigError, did_you_mean, shown
 from satlab.config.loader import override_source
+from satlab.config.resolve import names, read_spec
 from satlab.config.schema import ExperimentConfig
-from satlab.config.specs import flatten_mapping, parse_item, read_spec, short_path, spec_names
+from satlab.config.specs import flatten_mapping, parse_item, short_path
 from satlab.config.structured import build, setting_hint, type_phrase, value_type_problem, without_none
 from satlab.studies.spec import (
     DEFAULT_SPACE,
@@ -26,7 +27,6 @@ from satlab.studies.spec import (
     Param,
     StudySpec,
     SweepSpec,
-    default_specs_dir,
     format_value,
     is_param,
 )
@@ -35,12 +35,12 @@ S = TypeVar("S", bound=StudySpec)
 
 
 def list_specs(kind: type[StudySpec], root: Path | None = None) -> list[str]:
-    return spec_names(root or default_specs_dir(kind), kind.suffix)
+    return names(kind.kind, root)
 
 
 def load_spec(kind: type[S], name_or_path: str | Path, items: Sequence[str] = ()) -> S:
     """The spec of a name (``lr_tiny``) or YAML file, with command-line items, checked against the base experiment."""
-    path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix, _keys(kind))
+    path, data = read_spec(kind.kind, name_or_path, _keys(kind))
     spec = spec_from_dict(kind, apply_items(kind, data, items), source=short_path(path))
     check_against_config(spec)
     return spec
@@ -144,7 +144,7 @@ def check_against_config(spec: StudySpec) -> None:
                                 f"{p.removeprefix(f'{source}: ')}" for p in e.problems)
     if isinstance(spec, AblationSpec) and spec.compare_with is not None:
         try:  # read now, not at the end of the grid: it must be an ablation
-            read_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix, _keys(type(spec)))
+            read_spec(spec.kind, spec.compare_with, _keys(type(spec)))
         except ConfigError as e:
             problems.extend(f"{spec.kind} '{spec.name}': compare_with: {p}" for p in e.problems)
     if problems:

@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import quoted, shown, unknown_name
-from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment, name_characters
+from satlab.config.loader import load_experiment, name_characters
+from satlab.config.resolve import folder, resolve
 from satlab.config.schema import MAX_TOKENS, ExperimentConfig
 from satlab.config.structured import field_problems, in_range
 
@@ -161,8 +161,7 @@ class TrialSettings:
 class StudySpec(abc.ABC):
     """What sweeps and ablations share; ``kind`` names the subclass in a study's stored attributes."""
 
-    kind: ClassVar[str]
-    suffix: ClassVar[str]
+    kind: ClassVar[str]  # its kind in satlab.config.resolve (where its files are, their suffix)
     spec_artifact: ClassVar[str]  # the spec as run, on the parent run
     name: str
     description: str = ""
@@ -186,7 +185,7 @@ class StudySpec(abc.ABC):
         return load_experiment(self.base_path(), [*overrides, *extra])
 
     def base_path(self) -> Path:
-        return experiment_path(self.base).resolve()
+        return resolve("experiment", self.base).resolve()
 
     def out_path(self) -> Path:
         return Path(self.out_dir) if self.out_dir else self.default_out()
@@ -224,7 +223,6 @@ class StudySpec(abc.ABC):
 @dataclass
 class SweepSpec(StudySpec):
     kind: ClassVar[str] = "sweep"
-    suffix: ClassVar[str] = ".yaml"
     spec_artifact: ClassVar[str] = "sweep.yaml"
     space: dict[str, Any] = field(default_factory=dict, metadata={"leaf": is_param})
     objective: Objective = field(default_factory=Objective)
@@ -235,7 +233,7 @@ class SweepSpec(StudySpec):
     enqueue: list[dict[str, Any]] = field(default_factory=list)
 
     def default_out(self) -> Path:
-        return default_specs_dir(self) / "studies" / self.name
+        return folder(self.kind) / "studies" / self.name
 
     def identity(self) -> dict[str, Any]:
         """More trials, another sampler or pruner join the same study."""
@@ -302,7 +300,6 @@ class Cell:
 @dataclass
 class AblationSpec(StudySpec):
     kind: ClassVar[str] = "ablation"
-    suffix: ClassVar[str] = ".yml"
     spec_artifact: ClassVar[str] = "ablation.yaml"
     axes: dict[str, Any] = field(default_factory=dict)
     seed_key: str = "train.seed"
@@ -314,7 +311,13 @@ class AblationSpec(StudySpec):
     saturation: SaturationGuard = field(default_factory=lambda: SaturationGuard(threshold=None))
 
     def default_out(self) -> Path:
-        return Path("reports") / "ablations" / self.name
+        return self.out_of(self.name)
+
+    @staticmethod
+    def out_of(name: str) -> Path:
+        """An ablation's folder without ``out_dir``: where ``satlab report <name>`` looks for its study when no
+        spec file has the name (an ablation run from a spec elsewhere)."""
+        return Path("reports") / "ablations" / name
 
     def group_axes(self) -> list[str]:
         return [k for k in self.axes if k != self.seed_key]
@@ -393,14 +396,3 @@ def _repeated(values: list[Any]) -> list[Any]:
 
 
 KINDS: dict[str, type[StudySpec]] = {cls.kind: cls for cls in (SweepSpec, AblationSpec)}
-
-
-def default_specs_dir(kind: StudySpec | type[StudySpec]) -> Path:
-    """Where specs of a kind live: ``sweeps/`` (``$SATLAB_SWEEPS_DIR``) or ``experiments/ablations/`` (next to the
-    presets, so ``$SATLAB_EXPERIMENTS_DIR`` moves both)."""
-    if kind.kind == "ablation":
-        return default_experiments_dir() / "ablations"
-    if os.environ.get("SATLAB_SWEEPS_DIR"):
-        return Path(os.environ["SATLAB_SWEEPS_DIR"]).expanduser()
-    repo_dir = Path(__file__).resolve().parents[2] / "sweeps"
-    return repo_dir if repo_dir.is_dir() else Path.cwd() / "sweeps"

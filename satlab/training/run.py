@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, to_yaml
 from satlab.config.errors import ConfigError, RunStopped
-from satlab.config.loader import experiment_family
+from satlab.config.resolve import experiment_family
 from satlab.config.resume import RESUMABLE, resume_problems
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import TextTokenizer
