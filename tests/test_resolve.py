@@ -69,7 +69,7 @@ REFUSED = [  # (kind, what a user types, what the message must say)
     ("experiment", "tiny", ["'tiny' is a folder of experiment presets", "e.g. tiny/attnres", "satformer"]),
     ("ablation", "./mine", ["'./mine' is a folder, not a YAML file", "a.yml", "p.yaml"]),
     ("experiment", "{tmp}/mine/", ["is a folder, not a YAML file"]),
-    ("sweep", "   ", ["the sweep spec is empty", "lr_paper_small"]),
+    ("sweep", "   ", ["the sweep is empty: give a sweep spec name (lr_paper_small", "path of a YAML"]),
 ]
 
 

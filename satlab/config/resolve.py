@@ -221,8 +221,8 @@ def resolve(kind: str, name_or_path: str | Path, root: Path | None = None) -> Pa
     spec = KINDS[kind]
     root = folder(kind) if root is None else root
     if not str(name_or_path).strip():
-        raise ConfigError(f"the {spec.noun} is empty: give a name ({_some_names(kind, root)}) or the path of a YAML "
-                          "file (./my.yaml)")
+        raise ConfigError(f"the {kind} is empty: give {_a(spec.noun)} name ({_some_names(kind, root)}) or the "
+                          "path of a YAML file (./my.yaml)")
     if (as_path := user_path(name_or_path)) is not None:
         if kind == "experiment" and generated_preset(as_path, root) is not None:  # a trial file's base
             return as_path
@@ -273,6 +273,10 @@ def unknown(kind: str, name: str, root: Path) -> str:
     return unknown_name(spec.noun, name, names(kind, root)) + f" (specs in {root})"
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
 def _some_names(kind: str, root: Path) -> str:
     return listing(names(kind, root), 3) or f"none in {root}"
 
@@ -315,9 +319,8 @@ def read_file(kind: str, path: Path, label: str | None = None,
     if not keys & set(spec.marks):
         for other in KINDS.values():
             if other is not spec and (theirs := sorted(keys & set(other.marks))):
-                raise ConfigError(f"{label} is {'an' if other.noun[0] in 'aeiou' else 'a'} {other.noun} (it has "
-                                  f"{', '.join(theirs[:4])}), not {'an' if spec.noun[0] in 'aeiou' else 'a'} "
-                                  f"{spec.noun}: run it with {other.command}{short_path(path)}")
+                raise ConfigError(f"{label} is {_a(other.noun)} (it has {', '.join(theirs[:4])}), not "
+                                  f"{_a(spec.noun)}: run it with {other.command}{short_path(path)}")
     if known is not None and data and not keys & set(known):
         raise ConfigError(f"{label} is not a satlab {spec.noun}: none of its {len(data)} top-level key(s) is one of "
                           f"{', '.join(known)}")
