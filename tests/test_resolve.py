@@ -40,6 +40,8 @@ FOUND = [  # (kind, what a user types, the file it means; {tmp} the working dire
     ("experiment", "default", str(EXPERIMENTS / "default.yaml")),
     ("experiment", "tiny/satformer", str(EXPERIMENTS / "tiny" / "satformer.yaml")),  # generated: no file
     ("experiment", "recall/mqar", str(EXPERIMENTS / "recall" / "mqar.yaml")),
+    ("experiment", str(EXPERIMENTS / "paper" / "small" / "satformer.yaml"),  # a generated one's path (a trial's base)
+     str(EXPERIMENTS / "paper" / "small" / "satformer.yaml")),
     ("experiment", "./mine/p.yaml", "mine/p.yaml"),
     ("experiment", "mine/p.yaml", "mine/p.yaml"),  # a YAML suffix makes it a path
     ("experiment", "{tmp}/mine/p.yaml", "{tmp}/mine/p.yaml"),
