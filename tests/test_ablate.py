@@ -109,7 +109,7 @@ def test_axis_keys_and_values_are_checked_against_the_config(tmp_path: Path) -> 
     text = problems(excinfo)
     assert "unknown key 'model.archh' (did you mean 'arch'?)" in text
     assert "gate_fn 'sigmoidd' (did you mean 'sigmoid'?)" in text
-    with pytest.raises(ConfigError, match="unknown ablation 'arch_tiy'.*did you mean 'arch_tiny'"):
+    with pytest.raises(ConfigError, match="unknown ablation spec 'arch_tiy'.*did you mean 'arch_tiny'"):
         load_ablation("arch_tiy")
 
 

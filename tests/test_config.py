@@ -16,8 +16,9 @@ from rich.console import Console
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, flatten, print_config, to_yaml
 from satlab.config.errors import ConfigError
-from satlab.config.loader import default_experiments_dir, list_experiments, load_experiment
+from satlab.config.loader import load_experiment
 from satlab.config.model import ModelConfig, resolve_model_config
+from satlab.config.resolve import default_experiments_dir, list_experiments
 from satlab.config.schema import ExperimentConfig
 from satlab.models import ARCHITECTURES, build_model
 
@@ -201,7 +202,8 @@ def test_unknown_preset_lists_the_available_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_experiment("defualt")
     message = str(excinfo.value)
-    assert "did you mean 'default'" in message and "recall/mqar" in message and "tiny/muddformer" in message
+    assert "did you mean 'default'" in message and "recall/mqar" in message and "tiny/<arch>" in message
+    assert "paper/small/<arch>" in message and "muddformer" in message and len(message) < 1000  # generated, as folders
     with pytest.raises(ConfigError) as excinfo:  # in a folder of generated presets: that folder's (test_presets)
         load_experiment("tiny/transfomer")
     assert "did you mean 'tiny/transformer'" in str(excinfo.value) and "tiny/muddformer" in str(excinfo.value)

@@ -11,8 +11,9 @@ import pytest
 from satlab.cli.main import main
 from satlab.config.display import flatten
 from satlab.config.errors import EXIT_USAGE, ConfigError
-from satlab.config.loader import default_experiments_dir, experiment_family, list_experiments, load_experiment
+from satlab.config.loader import load_experiment
 from satlab.config.model import PAPER_PARAM_COUNTS, SIZE_PRESETS
+from satlab.config.resolve import default_experiments_dir, experiment_family, list_experiments
 from satlab.models import ARCHITECTURES, build_model, count_params, label
 
 # size -> (token budget, peak LR), from the spec's "Paper presets" table

@@ -11,7 +11,8 @@ import time
 import mlflow
 import pytest
 
-from satlab.config.loader import experiment_family, load_experiment
+from satlab.config.loader import load_experiment
+from satlab.config.resolve import experiment_family
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
          "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=256",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from satlab.config.derived import derive_schedule
 from satlab.config.loader import load_experiment
 from satlab.data.mqar import IGNORE_INDEX, MQARBatches, MQARTask
+from satlab.data.vocabulary import model_vocabulary
 from satlab.training.datamodule import LMDataModule
 from satlab.training.module import LMModule
 
@@ -102,7 +103,7 @@ def recall_path_bench(experiment: str = "recall/mqar", batch: int = 512, seq_len
     result = {"batch": batch, "seq_len": seq_len, "arch": arch,
               "plain": _timed_loop(plain, lambda m, x, s: m(x, s), batches, steps, warmup, lr)}
 
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=task.vocab_size))
+    cfg = model_vocabulary(cfg).sized(cfg)  # the recall task's token ids, as a run derives them
     schedule = derive_schedule(cfg)
     torch.manual_seed(0)
     module = LMModule(cfg, schedule)

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from satlab.cli.devices import device_problem
 from satlab.config.archs import ARCH_SPECS
-from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.config.model import SIZE_PRESETS
 from satlab.console import console as make_console
 
@@ -263,7 +263,7 @@ def parse_counts(text: str | None, problems: list[str], option: str = "--depths"
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        problems.append(f"{option} takes comma-separated {what} >= 1 (e.g. {example}), got {text!r}")
+        problems.append(f"{option} takes comma-separated {what} >= 1 (e.g. {example}), got {shown(text)}")
         return []
     return sorted(set(values))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from satlab.config.errors import shown
+
 
 def device_problem(text: str, option: str, words: tuple[str, ...] = ("auto", "cpu")) -> str | None:
     """What is wrong with ``text`` as a device (None when nothing): one of ``words``, cuda, or cuda:N of a GPU that
@@ -10,7 +12,7 @@ def device_problem(text: str, option: str, words: tuple[str, ...] = ("auto", "cp
         return None
     kind, _, index = text.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
-        return f"{option} takes {', '.join(words)}, cuda or cuda:N, got {text!r}"
+        return f"{option} takes {', '.join(words)}, cuda or cuda:N, got {shown(text)}"
     import torch
 
     count = torch.cuda.device_count()

@@ -10,7 +10,8 @@ from satlab.console import console as make_console
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="ABLATION",
-                        help="an ablation name (arch_tiny), its spec file, or its MLflow parent run id")
+                        help="an ablation name (arch_tiny, or the name of one run from a spec file elsewhere), its "
+                             "spec file, or its MLflow parent run id")
     parser.add_argument("--tracking-uri", metavar="URI",
                         help="the MLflow store (default: the one the ablation ran against, as its study records it, "
                              "else $MLFLOW_TRACKING_URI or mlruns/mlflow.db)")
@@ -19,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from satlab.studies.ablation_report import open_ablation, write_report
+    from satlab.studies.ablation_report import write_report
+    from satlab.studies.lookup import open_ablation
 
     spec, client, parent_run_id = open_ablation(args.target, args.tracking_uri)
     write_report(spec, client, parent_run_id, Path(args.out) if args.out else None, console=make_console())

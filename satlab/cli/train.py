@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     experiment, overrides = split_experiment(args.overrides)
     cfg = load_experiment(experiment, overrides)
     if args.print_config or args.dry_run:
+        from satlab.data.vocabulary import model_vocabulary
+
         cfg = resolve_precision(cfg)  # what this machine would train in (train() resolves it the same way)
-        print_config(cfg)
+        print_config(model_vocabulary(cfg).sized(cfg))  # the model.vocab_size the run's config.yaml will have
     if args.dry_run:
         print_plan(cfg)
         return 0
@@ -85,24 +87,43 @@ def print_evaluation(metrics: dict[str, float]) -> None:
                       + (f" (model time per task: {', '.join(times)})" if times else ""))
 
 
+def plan(cfg) -> dict[str, object]:
+    """What a run of ``cfg`` would train, derived as the run derives it (:func:`model_vocabulary`, the schedule)
+    without training a tokenizer, preparing data or building real weights: ``params``, ``non_embedding_params``,
+    ``flops_per_token`` (the run's MLflow ``model.*`` params), ``vocab_size`` (None: not known before a hub
+    tokenizer is fetched), ``vocab_origin``, ``model_vocab_size`` (what the sizes use) and ``schedule``."""
+    from satlab.data.vocabulary import model_vocabulary
+    from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
+
+    vocabulary = model_vocabulary(cfg)
+    cfg = vocabulary.sized(cfg)
+    model = build_model(cfg.model, device="meta")
+    return {"params": count_params(model), "non_embedding_params": non_embedding_params(model),
+            "flops_per_token": flops_per_token(model, cfg.data.seq_len, vocabulary.head_fraction),
+            "vocab_size": vocabulary.size, "vocab_origin": vocabulary.origin, "model_vocab_size": cfg.model.vocab_size,
+            "schedule": derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)}
+
+
 def print_plan(cfg) -> None:
     """Sizes, FLOPs, the derived schedule and a time estimate, without building real weights."""
-    from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
     from satlab.training.perf import measure_cpu_matmul_peak
 
-    model = build_model(cfg.model, device="meta")
-    schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
-    flops = flops_per_token(model, cfg.data.seq_len)
+    planned = plan(cfg)
+    flops = planned["flops_per_token"]
     # A CPU run reaches about half of the measured fp32 matmul peak; the estimate says so rather than guessing GPUs.
     cpu_rate = 0.5 * measure_cpu_matmul_peak() / flops
+    vocab = planned["vocab_size"]
     table = Table(title=f"plan for '{cfg.name}'", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     for name, value in [
-        ("parameters", f"{count_params(model):,} ({non_embedding_params(model):,} non-embedding)"),
+        ("vocabulary", f"{vocab:,} from {planned['vocab_origin']}" if vocab is not None
+         else f"{planned['vocab_origin']} ({planned['model_vocab_size']:,})"),
+        ("parameters", f"{planned['params']:,} ({planned['non_embedding_params']:,} non-embedding)"),
         ("FLOPs per token", f"{flops / 1e6:,.2f} M"),
         ("tokens", f"{cfg.train.max_tokens:,}"),
-        *[(f"derived {k}", f"{v:,}" if isinstance(v, int) else str(v)) for k, v in schedule.as_dict().items()],
+        *[(f"derived {k}", f"{v:,}" if isinstance(v, int) else str(v))
+          for k, v in planned["schedule"].as_dict().items()],
         ("estimated time on this CPU", f"{cfg.train.max_tokens / cpu_rate / 60:.1f} min (at 50 % of its fp32 peak)"),
     ]:
         table.add_row(name, value)

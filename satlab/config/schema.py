@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from satlab.config.errors import shown
 from satlab.config.model import MAX_VOCAB, ModelConfig
 from satlab.config.structured import in_range
 
@@ -87,7 +88,7 @@ class MQARConfig:
     def problems(self, seq_len: int) -> list[str]:
         """Why these settings cannot make a sequence of ``seq_len`` tokens (empty when they can)."""
         if self.layout not in MQAR_LAYOUTS:
-            return [f"data.mqar.layout must be one of {', '.join(MQAR_LAYOUTS)}, got {self.layout!r}"]
+            return [f"data.mqar.layout must be one of {', '.join(MQAR_LAYOUTS)}, got {shown(self.layout)}"]
         problems = []
         if self.vocab_size < 6:
             problems.append(f"data.mqar.vocab_size must be >= 6 (end-of-text, separator, 2 keys, 2 values), "

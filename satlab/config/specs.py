@@ -1,15 +1,14 @@
 """YAML files of plain keys and values, shared by the experiment loader and the drivers' specs (sweeps, ablations):
-finding a spec by name or path, reading a file's top-level mapping into a plain dict, and dotted keys to nested
-mappings and back.
+reading a file's top-level mapping into a plain dict, command-line ``key=value`` items, and dotted keys to nested
+mappings and back. Which file a name or a path means is :mod:`satlab.config.resolve`'s.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import stat
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import ConfigError, unknown_name
+from satlab.config.errors import ECHO_CHARS, ConfigError, quoted
 
 
 def short_path(path: Path) -> str:
@@ -31,21 +30,19 @@ def short_path(path: Path) -> str:
 MAX_YAML_BYTES = 1 << 20
 """The largest experiment or spec file read (1 MiB): the largest shipped one is a few kB, and YAML of 10 MB takes
 minutes to parse."""
+MAX_EXPANDED_CHARS = 4 * MAX_YAML_BYTES
+"""The most characters a file may hold once its YAML aliases are expanded: a file of 1 MiB that aliases one long
+value a thousand times (or nests aliases, the "billion laughs") would otherwise become gigabytes in memory."""
 MAX_ITEM_CHARS = 10_000
 """The longest ``key=value`` command-line item: longer text belongs in a file."""
-YAML_SUFFIXES = (".yaml", ".yml")
-PATH_PREFIXES = ("/", "./", "../", "~")
-"""What makes a name a path: ``/abs/x``, ``./x``, ``../x``, ``~/x``, or a YAML suffix (``configs/x.yaml``)."""
 
 
-def read_mapping(path: Path, label: str | None = None, what: str = "config file",
-                 known: Collection[str] | None = None) -> dict[str, Any]:
+def read_mapping(path: Path, label: str | None = None, what: str = "config file") -> dict[str, Any]:
     """A YAML file's top-level mapping as a plain dict (interpolations left as written).
 
-    The file must be a regular file of at most :data:`MAX_YAML_BYTES` of UTF-8 YAML holding a mapping; with
-    ``known``, at least one top-level key must be one of them, else it is no satlab ``what`` at all (and its keys,
-    which could be any file's lines, are not echoed). Anything else is a :class:`ConfigError` naming the file as
-    ``label`` (default: the path) and never quoting its content.
+    The file must be a regular file of at most :data:`MAX_YAML_BYTES` of UTF-8 YAML holding a mapping (whether it
+    is a file of the kind asked for, :func:`satlab.config.resolve.read_file` says). Anything else is a
+    :class:`ConfigError` naming the file as ``label`` (default: the path) and never quoting its content.
     """
     label = str(path) if label is None else label
     text = _read_text(path, label)
@@ -55,6 +52,10 @@ def read_mapping(path: Path, label: str | None = None, what: str = "config file"
             shape = "a list" if isinstance(node, yaml.SequenceNode) else "a single value"
             raise ConfigError(f"{label} holds {shape} at the top level, not a mapping of keys: it is not a satlab "
                               f"{what}")
+        if node is not None and (size := expanded_size(node)) > MAX_EXPANDED_CHARS:
+            raise ConfigError(f"{label}: its aliases (*name) expand its {len(text):,} characters of YAML to about "
+                              f"{size:,}; experiment and spec files may expand to at most {MAX_EXPANDED_CHARS:,} "
+                              "characters (repeat a value by writing it again, not by aliasing it many times over)")
         loaded = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{label}{_yaml_error(e, text)}") from None
@@ -63,11 +64,28 @@ def read_mapping(path: Path, label: str | None = None, what: str = "config file"
                           "are mappings a few levels deep") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{label}: cannot read YAML: {type(e).__name__}") from None
-    data = typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
-    if known is not None and data and not any(k in known for k in data):
-        raise ConfigError(f"{label} is not a satlab {what}: none of its {len(data)} top-level key(s) is one of "
-                          f"{', '.join(known)}")
-    return data
+    return typing.cast(dict[str, Any], OmegaConf.to_container(loaded, resolve=False))
+
+
+def expanded_size(node: yaml.Node) -> int:
+    """The characters of a composed YAML document with every alias expanded (each node counted as one more), counted
+    without expanding it: an alias is the node it names, so each node's size is computed once."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        sizes[id(n)] = 1  # a node that contains itself (a recursive alias) counts once
+        if isinstance(n, yaml.ScalarNode):
+            total = 1 + len(n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in n.value)
+        else:
+            total = 1 + sum(size(k) + size(v) for k, v in n.value)
+        sizes[id(n)] = total
+        return total
+
+    return size(node)
 
 
 def _read_text(path: Path, label: str) -> str:
@@ -114,73 +132,15 @@ def parse_item(item: str, what: str, example: str) -> tuple[str, Any]:
     value, read as YAML by OmegaConf's dotlist (``1e-3``, ``[0, 1]``, ``null``); the one parser of both. A
     :class:`ConfigError` says why ``item`` (``what``: "override", "item") is refused, with ``example``."""
     if len(item) > MAX_ITEM_CHARS:
-        raise ConfigError(f"the item '{item[:40]}...' is {len(item):,} characters; a command-line item is at most "
+        raise ConfigError(f"the item {quoted(item, 40)} is {len(item):,} characters; a command-line item is at most "
                           f"{MAX_ITEM_CHARS:,} (put long text in a YAML file)")
     key, sep, text = item.partition("=")
     if not sep or not key.strip() or "" in key.split("."):
-        raise ConfigError(f"malformed {what} '{item}': expected key=value, e.g. {example}")
+        raise ConfigError(f"malformed {what} {quoted(item)}: expected key=value, e.g. {example}")
     try:
         return key, OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
     except (yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"malformed {what} '{item}': {' '.join(str(e).split())}") from None
-
-
-def user_path(name_or_path: str | Path) -> Path | None:
-    """The path of a file a user names as one (see :data:`PATH_PREFIXES`; any :class:`Path`), else None: a name,
-    which is looked up inside a folder of the project with :func:`named_file`."""
-    text = str(name_or_path)
-    if isinstance(name_or_path, Path) or text.startswith(PATH_PREFIXES) or Path(text).suffix in YAML_SUFFIXES:
-        return Path(text).expanduser()
-    return None
-
-
-def existing(path: Path, kind: str, given: str) -> Path:
-    """``path`` when it exists (what else may be wrong with it, :func:`read_mapping` says), else a ConfigError: not
-    found, a symbolic link loop, no permission."""
-    try:
-        path.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{kind} file not found: {given}") from None
-    except OSError as e:
-        raise ConfigError(f"{kind} file {given}: cannot read it: {e.strerror or e}") from None
-    return path
-
-
-def named_file(root: Path, name: str, suffix: str, kind: str) -> Path:
-    """``<root>/<name><suffix>``, refused when the name climbs out of ``root`` (``../../etc/passwd``): names are
-    looked up inside the project's folder only; a file elsewhere is given as a path."""
-    relative = os.path.normpath(name)
-    if relative == ".." or relative.startswith(("../", "/")):
-        raise ConfigError(f"{kind} name '{name}' leaves {root}: names are looked up inside that folder only; give a "
-                          "file elsewhere as a path to it (./x.yaml, /abs/path/x.yaml)")
-    return root / f"{name}{suffix}"
-
-
-def spec_names(root: Path, suffix: str) -> list[str]:
-    """The names of the specs under ``root`` (its files ending in ``suffix``, without it); none if it is missing."""
-    return sorted(p.stem for p in root.glob(f"*{suffix}")) if root.is_dir() else []
-
-
-def find_spec(name_or_path: str | Path, kind: str, root: Path, suffix: str) -> Path:
-    """The file of a spec: ``name_or_path`` itself when it is a path (:func:`user_path`), else
-    ``<root>/<name><suffix>``. A missing file, or an unknown name (with "did you mean" and the specs under ``root``),
-    is a ConfigError."""
-    if (as_path := user_path(name_or_path)) is not None:
-        return existing(as_path, f"{kind} spec", str(name_or_path))
-    path = named_file(root, str(name_or_path), suffix, kind)
-    if not path.is_file():
-        raise ConfigError(unknown_name(kind, str(name_or_path), spec_names(root, suffix)) + f" (specs in {root})")
-    return path
-
-
-def read_spec(name_or_path: str | Path, kind: str, root: Path, suffix: str,
-              known: Collection[str] | None = None) -> tuple[Path, dict[str, Any]]:
-    """(file, plain dict) of a spec name or YAML file (see :func:`find_spec`); ``name`` defaults to the file's.
-    ``known``: the spec's keys (see :func:`read_mapping`)."""
-    path = find_spec(name_or_path, kind, root, suffix)
-    data = read_mapping(path, what=f"{kind} spec", known=known)
-    data.setdefault("name", path.stem)
-    return path, data
+        raise ConfigError(f"malformed {what} {quoted(item)}: {' '.join(str(e).split())[:ECHO_CHARS]}") from None
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

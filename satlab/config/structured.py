@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from satlab.config.errors import did_you_mean, unknown_name
+from satlab.config.errors import ECHO_CHARS, clipped, did_you_mean, quoted, shown, unknown_name
 from satlab.config.specs import flatten_mapping
 
 T = TypeVar("T")
@@ -51,15 +51,15 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
         full_key = f"{prefix}{key}"
         if key not in hints:
             hint = did_you_mean(key, hints) or f"; valid: {', '.join(hints)}"
-            problems.append(f"{source}: unknown key '{full_key}'{hint}")
+            problems.append(f"{source}: unknown key {quoted(full_key)}{hint}")
             continue
         expected = hints[key]
         if dataclasses.is_dataclass(expected):
             if isinstance(value, Mapping):
                 merge(root, typing.cast(type, expected), value, f"{full_key}.", source, problems)
             elif value is not None:
-                problems.append(f"{source}: '{full_key}' is a section ({', '.join(typing.get_type_hints(expected))})"
-                                f", got {value!r}")
+                sections = ", ".join(typing.get_type_hints(expected))
+                problems.append(f"{source}: {quoted(full_key)} is a section ({sections}), got {shown(value)}")
             continue
         if typing.get_origin(expected) is dict:
             if value is None:
@@ -76,7 +76,7 @@ def merge(root: Any, cls: type, data: Mapping[str, Any], prefix: str, source: st
                         problems.append(f"{source}: {full_key}.{name}: {first_line(e)} (expected "
                                         f"{type_name(expected)})")
             else:
-                problems.append(f"{source}: '{full_key}' must be a mapping of keys to values, got {value!r}")
+                problems.append(f"{source}: {quoted(full_key)} must be a mapping of keys to values, got {shown(value)}")
             continue
         if (problem := shape_problem(expected, value, fields[key])) is not None:
             problems.append(f"{source}: {full_key} {problem}")
@@ -94,13 +94,13 @@ def shape_problem(hint: Any, value: Any, field: dataclasses.Field) -> str | None
     empty ``key=`` or null) for a required field that is not text, or a list or mapping for a single value."""
     plain, optional = without_none(hint)
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-    shown = "" if default is dataclasses.MISSING else f" (the default is {default!r})"
+    said = "" if default is dataclasses.MISSING else f" (the default is {shown(default)})"
     if value is None and not optional and plain is not str:
-        return (f"has no value, but it needs {_a(plain)}{shown}: give one, or leave the key out to keep the "
+        return (f"has no value, but it needs {type_phrase(plain)}{said}: give one, or leave the key out to keep the "
                 "default")
     if isinstance(value, list | tuple | Mapping) and plain in (str, int, float, bool):
         shape = "a mapping" if isinstance(value, Mapping) else "a list"
-        return f"takes {_a(plain)}, got {shape}: {short_repr(value)}"
+        return f"takes {type_phrase(plain)}, got {shape}: {shown(value)}"
     return None
 
 
@@ -110,15 +110,10 @@ def without_none(hint: Any) -> tuple[Any, bool]:
     return (typing.get_args(hint)[0] if optional else hint), optional
 
 
-def _a(hint: Any) -> str:
+def type_phrase(hint: Any) -> str:
+    """``str`` -> "a text", ``int`` -> "an integer", ...: a type as a message says what a setting takes."""
     plain = {int: "an integer", float: "a number", bool: "true or false", str: "a text"}
     return plain.get(hint, f"a value of type {type_name(hint)}")
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages that show what was given."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def in_range(low: float, high: float, low_excluded: bool = False, note: str = "") -> dict[str, Any]:
@@ -162,7 +157,7 @@ def _range_problem(value: Any, bounds: Range, integer: bool) -> str | None:
     if number and (low < value <= high if low_excluded else low <= value <= high):
         return None
     kind = "an integer in" if integer else "in" if number else "a number in"
-    return f"must be {kind} {'(' if low_excluded else '['}{_bound(low)}, {_bound(high)}], got {value!r}"
+    return f"must be {kind} {'(' if low_excluded else '['}{_bound(low)}, {_bound(high)}], got {shown(value)}"
 
 
 def _bound(x: float) -> str:
@@ -170,6 +165,43 @@ def _bound(x: float) -> str:
     and 4,294,967,295, which %g would round)."""
     text = f"{x:g}"
     return f"{int(x):,}" if float(x).is_integer() and ("e" not in text or float(text) != x) else text
+
+
+def setting_hint(cls: type, key: str) -> Any:
+    """The type hint of the dotted setting ``key`` of the dataclass ``cls`` (``data.text_field`` -> ``str``); a key
+    under a ``dict[str, V]`` field has ``V``; None for a key that is no setting."""
+    hint: Any = cls
+    for i, part in enumerate(parts := key.split(".")):
+        if typing.get_origin(hint) is dict:
+            return typing.get_args(hint)[1] if typing.get_args(hint) else Any
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+        if hint is None:
+            return None
+        if i == len(parts) - 1:
+            return hint
+    return None
+
+
+def value_type_problem(hint: Any, value: Any) -> str | None:
+    """Why ``value`` is not a value of a setting of type ``hint`` as a person wrote it (a number for a text, a text
+    for a number, a fraction for an integer, anything but true/false for a switch), else None. Values OmegaConf
+    would silently convert (``1`` to the text ``"1"``) are refused here: a search over them means nothing."""
+    plain, optional = without_none(hint)
+    if value is None:
+        return None if optional or plain is str else f"takes {type_phrase(plain)}, not null"
+    if plain is str:
+        return None if isinstance(value, str) else f"takes a text, got {shown(value)}"
+    if plain is bool:
+        return None if isinstance(value, bool) else f"takes true or false, got {shown(value)}"
+    if plain is int:
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        return None if whole and not isinstance(value, bool) else f"takes an integer, got {shown(value)}"
+    if plain is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number else f"takes a number, got {shown(value)}"
+    return None  # lists, tuples, mappings: the config load checks them
 
 
 def accepts_int(hint: Any) -> bool:
@@ -196,4 +228,5 @@ def type_name(hint: Any) -> str:
 
 
 def first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    """The first line of a library's error message, cut in its middle when it quotes a long value."""
+    return clipped(str(error).splitlines()[0], 2 * ECHO_CHARS) if str(error) else type(error).__name__

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from satlab.config.errors import ConfigError
+from satlab.config.errors import ConfigError, shown
 
 SPLITS = ("train", "validation", "test")
 META_FILE = "meta.json"
@@ -42,7 +42,7 @@ def stable_hash(obj: Any, length: int = 16) -> str:
 def check_val_fraction(val_fraction: float) -> None:
     if not 0.0 < val_fraction < 0.5:
         raise ConfigError(
-            f"data.val_fraction is {val_fraction!r}; it must lie strictly between 0 and 0.5 (the validation split "
+            f"data.val_fraction is {shown(val_fraction)}; it must lie strictly between 0 and 0.5 (the validation split "
             "takes that fraction of the documents and the test split as many again), e.g. 0.05."
         )
 

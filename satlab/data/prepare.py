@@ -97,6 +97,14 @@ def _find(data_cfg: DataConfig, source: Source) -> PreparedData | None:
     return None if meta is None else PreparedData.from_directory(target, meta, tokenizer)
 
 
+def cached_data_tokenizer(data_cfg: DataConfig) -> TextTokenizer | None:
+    """The tokenizer ``data_cfg`` asks for when it is at hand without training or fetching anything (a ``bpe`` one
+    trained on the same train split before, a cached or local hub one, the byte one), else None; never writes."""
+    data_cfg = replace(data_cfg, cache_dir=str(Path(data_cfg.cache_dir).expanduser()))
+    identity = _train_identity(resolve_source(data_cfg)) if data_cfg.tokenizer.kind == "bpe" else ""
+    return cached_tokenizer(data_cfg.tokenizer, data_cfg.cache_dir, identity)
+
+
 def find_prepared(data_cfg: DataConfig) -> PreparedData | None:
     """The prepared data of ``data_cfg`` when everything is in the cache, else None; reads metadata only (local
     files are hashed to know their identity), never writes, trains, tokenizes or contacts the hub."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from satlab.config.errors import ConfigError, did_you_mean, unknown_name
+from satlab.config.errors import ConfigError, did_you_mean, shown, unknown_name
 from satlab.config.schema import SOURCE_KINDS, DataConfig
 from satlab.data.common import (
     SPLITS,
@@ -172,8 +172,8 @@ def _hub_stream(source: Source, cfg: DataConfig) -> Iterable[dict[str, Any]]:
         raise _offline_error(source.name, e) from e
     except ValueError as e:
         raise ConfigError(
-            f"hub dataset '{source.name}' rejected data.hub_config={cfg.hub_config!r} / data.hub_split="
-            f"{cfg.hub_split!r}: {e}"
+            f"hub dataset '{source.name}' rejected data.hub_config={shown(cfg.hub_config)} / data.hub_split="
+            f"{shown(cfg.hub_split)}: {e}"
         ) from e
     return stream.take(cfg.hub_max_documents) if cfg.hub_max_documents else stream
 

@@ -11,22 +11,15 @@ MLflow's artifact viewer cannot load the files beside it.
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlflow
 import pandas as pd
-import yaml
-from mlflow.exceptions import MlflowException
 from rich.console import Console
 from rich.table import Table
 
-from satlab.config.errors import ConfigError
-from satlab.studies import attrs as A
 from satlab.studies.ablation_claims import (
     RECALL_REFERENCES,
     arch_names,
@@ -36,9 +29,7 @@ from satlab.studies.ablation_claims import (
     reference_group,
 )
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
-from satlab.studies.loader import load_ablation, spec_from_dict
 from satlab.studies.parent_results import log_results, mlflow_name
-from satlab.studies.plans import GridPlan
 from satlab.studies.report_html import markdown_page
 from satlab.studies.results import (
     RECALL_MEASURES,
@@ -49,7 +40,6 @@ from satlab.studies.results import (
     download_heatmap,
     measures_for,
 )
-from satlab.studies.runs import find_parent_run, usable_run
 from satlab.studies.saturation_study import saturation_section
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import (
@@ -58,7 +48,6 @@ from satlab.studies.stats import (
     mean_std,
     welch_p,
 )
-from satlab.training.tracking import resolve_tracking
 
 BASELINE_P = {"val_loss": "loss", "retrieval": "retrieval"}  # measures with a p column against the baseline
 REFERENCE_P = {"recall_acc": "acc", "steps_to_0.9": "steps 0.9"}  # ... against each reference architecture
@@ -379,37 +368,3 @@ def curve_lines(files: dict[str, Path], measures: Measures) -> list[str]:
     return [f"![{measures.curve_label}](loss_curves.png)", "",
             f"Mean {measures.curve_label} over seeds (shaded: lowest to highest seed) from the first validation after "
             "training began; the one before it (0 tokens, about the same for every cell) is left out."]
-
-
-RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[AblationSpec, mlflow.MlflowClient, str]:
-    """(the spec the parent run was made with, a client of its store, the parent run id) for an ablation name, a
-    spec file or a parent run id."""
-    if RUN_ID.match(target):
-        client = mlflow.MlflowClient(tracking_uri or resolve_tracking(None, None)[0])
-        return stored_spec(client, target), client, target
-    spec = load_ablation(target)
-    study = GridPlan(spec).recorded_study()
-    recorded = study.user_attrs if study is not None else {}
-    uri = tracking_uri or recorded.get(A.TRACKING_URI) or resolve_tracking(spec.base_config().tracking.uri, None)[0]
-    client = mlflow.MlflowClient(uri)
-    parent = usable_run(client, recorded.get(A.PARENT_RUN)) if recorded.get(A.TRACKING_URI) == uri else None
-    parent = parent or find_parent_run(client, spec) or find_parent_run(client, spec, same_settings=False)
-    if parent is None:
-        raise ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "
-                          f"run it first: satlab ablate {target}")
-    return stored_spec(client, parent.info.run_id), client, parent.info.run_id
-
-
-def stored_spec(client: mlflow.MlflowClient, run_id: str) -> AblationSpec:
-    """The spec saved on the parent run (the one actually run, command-line items included)."""
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one small file: no progress bar
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            text = Path(client.download_artifacts(run_id, AblationSpec.spec_artifact, tmp)).read_text()
-    except (MlflowException, OSError) as e:
-        raise ConfigError(f"run {run_id} in {client.tracking_uri} is not an ablation's parent run (no "
-                          f"{AblationSpec.spec_artifact}: {' '.join(str(e).split())[:200]})") from None
-    return spec_from_dict(AblationSpec, yaml.safe_load(text), f"{AblationSpec.spec_artifact} of run {run_id}")

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from satlab.config.display import flatten
-from satlab.config.errors import ConfigError, did_you_mean
-from satlab.config.specs import flatten_mapping, parse_item, read_spec, short_path, spec_names
-from satlab.config.structured import build
+from satlab.config.errors import ConfigError, did_you_mean, shown
+from satlab.config.loader import override_source
+from satlab.config.resolve import names, read_spec
+from satlab.config.schema import ExperimentConfig
+from satlab.config.specs import flatten_mapping, parse_item, short_path
+from satlab.config.structured import build, setting_hint, type_phrase, value_type_problem, without_none
 from satlab.studies.spec import (
     DEFAULT_SPACE,
     PARAM_KEYS,
@@ -24,7 +27,6 @@ from satlab.studies.spec import (
     Param,
     StudySpec,
     SweepSpec,
-    default_specs_dir,
     format_value,
     is_param,
 )
@@ -33,12 +35,12 @@ S = TypeVar("S", bound=StudySpec)
 
 
 def list_specs(kind: type[StudySpec], root: Path | None = None) -> list[str]:
-    return spec_names(root or default_specs_dir(kind), kind.suffix)
+    return names(kind.kind, root)
 
 
 def load_spec(kind: type[S], name_or_path: str | Path, items: Sequence[str] = ()) -> S:
     """The spec of a name (``lr_tiny``) or YAML file, with command-line items, checked against the base experiment."""
-    path, data = read_spec(name_or_path, kind.kind, default_specs_dir(kind), kind.suffix, _keys(kind))
+    path, data = read_spec(kind.kind, name_or_path, _keys(kind))
     spec = spec_from_dict(kind, apply_items(kind, data, items), source=short_path(path))
     check_against_config(spec)
     return spec
@@ -100,7 +102,7 @@ def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = 
         for name, entry in flatten_mapping(spec.space, is_param).items():
             if not isinstance(entry, Mapping):
                 problems.append(f"{source}: space.{name}: expected a range (low/high[/log/step]) or choices, "
-                                f"got {entry!r}")
+                                f"got {shown(entry)}")
                 continue
             layer = {"type": "categorical" if "choices" in entry else "float", **entry}
             space[name] = build(Param, [(f"{source}: space.{name}", layer)], problems) or Param()
@@ -129,20 +131,48 @@ def check_against_config(spec: StudySpec) -> None:
         if isinstance(spec, SweepSpec) and key not in known:
             problems.append(f"{spec.kind} '{spec.name}': space: unknown config key '{key}'{did_you_mean(key, known)}")
             continue
+        if typed := type_problems(spec, key):
+            problems.extend(typed)
+            continue
         for value in values:
             override = f"{key}={format_value(value)}"
             try:
                 spec.base_config([override])
             except ConfigError as e:
-                problems.extend(f"{spec.kind} '{spec.name}', {override}: {p.removeprefix(f'override {override!r}: ')}"
-                                for p in e.problems)
+                source = override_source(override)
+                problems.extend(f"{spec.kind} '{spec.name}', {source.removeprefix('override ')}: "
+                                f"{p.removeprefix(f'{source}: ')}" for p in e.problems)
     if isinstance(spec, AblationSpec) and spec.compare_with is not None:
         try:  # read now, not at the end of the grid: it must be an ablation
-            read_spec(spec.compare_with, spec.kind, default_specs_dir(spec), spec.suffix, _keys(type(spec)))
+            read_spec(spec.kind, spec.compare_with, _keys(type(spec)))
         except ConfigError as e:
             problems.extend(f"{spec.kind} '{spec.name}': compare_with: {p}" for p in e.problems)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
+
+
+def type_problems(spec: StudySpec, key: str) -> list[str]:
+    """What in the search space or the axis of ``key`` does not fit the setting's type: a numeric range over a text
+    or a switch, a float range over an integer setting, a choice or axis value of another type (a number for a
+    text setting, which the config would take as the text "1")."""
+    hint = setting_hint(ExperimentConfig, key)
+    if hint is None:
+        return []  # no such setting: the config load names it
+    plain = without_none(hint)[0]
+    where = f"{spec.kind} '{spec.name}': {'space' if isinstance(spec, SweepSpec) else 'axis'} {key}"
+    param = spec.space[key] if isinstance(spec, SweepSpec) else None
+    if param is not None and param.type != "categorical":
+        if plain not in (int, float) or plain is bool:
+            return [f"{where} is a numeric range (low/high), but {key} takes {type_phrase(plain)}: a range over it "
+                    f"means nothing. Search it with a list of values instead, e.g. {key}: {{choices: [a, b]}}"]
+        if plain is int and param.type == "float":
+            return [f"{where} is a float range, but {key} takes an integer: a trial would get fractions. Give the "
+                    "range type: int (whole low and high)"]
+        return []
+    values = param.choices if param is not None else spec.axes.get(key)
+    bad = [(v, p) for v in (values if isinstance(values, list) else []) if (p := value_type_problem(hint, v))]
+    return [f"{where}: {key} {problem}; {'choices' if param is not None else 'axis values'} must be values of the "
+            f"setting's type, as it is written in a config" for _, problem in bad[:3]]
 
 
 def _keys(kind: type[StudySpec]) -> list[str]:

@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,15 +20,17 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.archs import ARCH_SPECS
-from satlab.config.errors import unknown_name
-from satlab.config.loader import default_experiments_dir, experiment_path, load_experiment
+from satlab.config.errors import quoted, shown, unknown_name
+from satlab.config.loader import load_experiment, name_characters
+from satlab.config.resolve import folder, resolve
 from satlab.config.schema import MAX_TOKENS, ExperimentConfig
 from satlab.config.structured import field_problems, in_range
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
 DEFAULT_SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}}
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.-]")
 
 
 def format_value(value: Any) -> str:
@@ -87,11 +88,11 @@ class Param:
             scalars = not any(isinstance(c, dict | list) for c in self.choices)
             return [] if scalars else ["choices must be scalars (numbers, strings, booleans or null)"]
         if self.low is None or self.high is None:
-            return [f"a {self.type} range needs numeric 'low' and 'high', got {self.low!r}, {self.high!r}"]
-        checks = [(self.low < self.high, f"low must be < high, got low={self.low!r}, high={self.high!r}"),
-                  (not self.log or self.low > 0, f"a log range needs low > 0, got {self.low!r}"),
+            return [f"a {self.type} range needs numeric 'low' and 'high', got {shown(self.low)}, {shown(self.high)}"]
+        checks = [(self.low < self.high, f"low must be < high, got low={shown(self.low)}, high={shown(self.high)}"),
+                  (not self.log or self.low > 0, f"a log range needs low > 0, got {shown(self.low)}"),
                   (self.type != "int" or all(float(v).is_integer() for v in (self.low, self.high)),
-                   f"an int range needs whole low and high, got {self.low!r}, {self.high!r}"),
+                   f"an int range needs whole low and high, got {shown(self.low)}, {shown(self.high)}"),
                   (self.step is None or (self.step > 0 and not self.log),
                    "step must be > 0 and cannot be combined with log")]
         return [message for ok, message in checks if not ok][:1]
@@ -160,8 +161,7 @@ class TrialSettings:
 class StudySpec(abc.ABC):
     """What sweeps and ablations share; ``kind`` names the subclass in a study's stored attributes."""
 
-    kind: ClassVar[str]
-    suffix: ClassVar[str]
+    kind: ClassVar[str]  # its kind in satlab.config.resolve (where its files are, their suffix)
     spec_artifact: ClassVar[str]  # the spec as run, on the parent run
     name: str
     description: str = ""
@@ -185,7 +185,7 @@ class StudySpec(abc.ABC):
         return load_experiment(self.base_path(), [*overrides, *extra])
 
     def base_path(self) -> Path:
-        return experiment_path(self.base).resolve()
+        return resolve("experiment", self.base).resolve()
 
     def out_path(self) -> Path:
         return Path(self.out_dir) if self.out_dir else self.default_out()
@@ -210,9 +210,11 @@ class StudySpec(abc.ABC):
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def problems(self) -> list[str]:
-        problems = [] if _NAME.match(self.name) else [
-            f"'name' must be letters, digits, '_', '.' or '-' (it names the study, its folder and its runs), "
-            f"got {self.name!r}"]
+        problems = [] if _NAME.fullmatch(self.name) else [
+            f"'name' must be letters, digits, '_', '.' or '-' of ASCII only (a-z, A-Z, 0-9: no accented or other "
+            f"non-ASCII letters, no spaces), starting with a letter or digit (it names the study, its folder and its "
+            f"runs), got {shown(self.name)}"
+            f"{name_characters(self.name, _NAME_CHARS)}"]
         if self.trial.grace_seconds <= self.trial.heartbeat_seconds:
             problems.append("trial.grace_seconds must be larger than trial.heartbeat_seconds")
         return problems + field_problems(self)
@@ -221,7 +223,6 @@ class StudySpec(abc.ABC):
 @dataclass
 class SweepSpec(StudySpec):
     kind: ClassVar[str] = "sweep"
-    suffix: ClassVar[str] = ".yaml"
     spec_artifact: ClassVar[str] = "sweep.yaml"
     space: dict[str, Any] = field(default_factory=dict, metadata={"leaf": is_param})
     objective: Objective = field(default_factory=Objective)
@@ -232,7 +233,7 @@ class SweepSpec(StudySpec):
     enqueue: list[dict[str, Any]] = field(default_factory=list)
 
     def default_out(self) -> Path:
-        return default_specs_dir(self) / "studies" / self.name
+        return folder(self.kind) / "studies" / self.name
 
     def identity(self) -> dict[str, Any]:
         """More trials, another sampler or pruner join the same study."""
@@ -256,7 +257,7 @@ class SweepSpec(StudySpec):
             problems.append("objective.metric must name a logged metric, e.g. val/loss")
         for i, point in enumerate(self.enqueue):
             if unknown := [k for k in point if k not in self.space]:
-                problems.append(f"enqueue[{i}]: {', '.join(unknown)} not in the search space "
+                problems.append(f"enqueue[{i}]: {shown(unknown)} not in the search space "
                                 f"({', '.join(self.space)})")
         return problems
 
@@ -299,7 +300,6 @@ class Cell:
 @dataclass
 class AblationSpec(StudySpec):
     kind: ClassVar[str] = "ablation"
-    suffix: ClassVar[str] = ".yml"
     spec_artifact: ClassVar[str] = "ablation.yaml"
     axes: dict[str, Any] = field(default_factory=dict)
     seed_key: str = "train.seed"
@@ -311,7 +311,13 @@ class AblationSpec(StudySpec):
     saturation: SaturationGuard = field(default_factory=lambda: SaturationGuard(threshold=None))
 
     def default_out(self) -> Path:
-        return Path("reports") / "ablations" / self.name
+        return self.out_of(self.name)
+
+    @staticmethod
+    def out_of(name: str) -> Path:
+        """An ablation's folder without ``out_dir``: where ``satlab report <name>`` looks for its study when no
+        spec file has the name (an ablation run from a spec elsewhere)."""
+        return Path("reports") / "ablations" / name
 
     def group_axes(self) -> list[str]:
         return [k for k in self.axes if k != self.seed_key]
@@ -347,7 +353,7 @@ class AblationSpec(StudySpec):
     def problems(self) -> list[str]:
         problems = super().problems()
         if self.timeout_minutes is not None and not self.timeout_minutes > 0:
-            problems.append(f"'timeout_minutes' must be a positive number or null, got {self.timeout_minutes!r}")
+            problems.append(f"'timeout_minutes' must be a positive number or null, got {shown(self.timeout_minutes)}")
         if self.trial.timeout_minutes is not None:
             problems.append("trial.timeout_minutes: an ablation's limit per cell is its top-level timeout_minutes")
         if not self.seed_key:
@@ -357,35 +363,36 @@ class AblationSpec(StudySpec):
                                "e.g. axes: {model.arch: [transformer, satformer], train.seed: [0, 1, 2]}"]
         for key, choices in self.axes.items():
             if not isinstance(choices, list):
-                problems.append(f"axis '{key}' must be a list of values, got {choices!r}")
+                problems.append(f"axis {quoted(key)} must be a list of values, got {shown(choices)}")
             elif not choices:
-                problems.append(f"axis '{key}' is empty: give it at least one value")
-            elif len({format_value(c) for c in choices}) < len(choices):
-                problems.append(f"axis '{key}' repeats a value: {choices}")
+                problems.append(f"axis {quoted(key)} is empty: give it at least one value")
+            elif repeated := _repeated(choices):
+                problems.append(f"axis {quoted(key)} repeats a value ({shown(repeated[0])}); each value of an axis is "
+                                f"one column of the grid, so give it once: {shown(choices)}")
             if key in self.overrides:
-                problems.append(f"'{key}' is both a fixed override and an axis; keep one")
+                problems.append(f"{quoted(key)} is both a fixed override and an axis; keep one")
         if self.saturation.action != "observe":
             problems.append("saturation.action must be 'observe' in an ablation: a pruned cell would leave a hole "
                             "in the grid (a sweep's guard can prune)")
         for key, value in self.baseline.items():
             if key == self.seed_key:
-                problems.append(f"baseline cannot fix the seed axis '{self.seed_key}': p-values are over seeds")
+                problems.append(f"baseline cannot fix the seed axis {quoted(self.seed_key)}: p-values are over seeds")
             elif key not in self.axes:
                 problems.append(unknown_name("baseline key (not an axis)", key, self.axes))
             elif isinstance(self.axes[key], list) and format_value(value) not in map(format_value, self.axes[key]):
-                problems.append(f"baseline {key}={format_value(value)} is not among the axis values {self.axes[key]}")
+                problems.append(f"baseline {quoted(key)} = {shown(value)} is not among the axis values "
+                                f"{shown(self.axes[key])}")
         return problems
 
 
+def _repeated(values: list[Any]) -> list[Any]:
+    """The values of ``values`` given more than once (as an override writes them, :func:`format_value`)."""
+    seen, again = set(), []
+    for value in values:
+        if (text := format_value(value)) in seen:
+            again.append(value)
+        seen.add(text)
+    return again
+
+
 KINDS: dict[str, type[StudySpec]] = {cls.kind: cls for cls in (SweepSpec, AblationSpec)}
-
-
-def default_specs_dir(kind: StudySpec | type[StudySpec]) -> Path:
-    """Where specs of a kind live: ``sweeps/`` (``$SATLAB_SWEEPS_DIR``) or ``experiments/ablations/`` (next to the
-    presets, so ``$SATLAB_EXPERIMENTS_DIR`` moves both)."""
-    if kind.kind == "ablation":
-        return default_experiments_dir() / "ablations"
-    if os.environ.get("SATLAB_SWEEPS_DIR"):
-        return Path(os.environ["SATLAB_SWEEPS_DIR"]).expanduser()
-    repo_dir = Path(__file__).resolve().parents[2] / "sweeps"
-    return repo_dir if repo_dir.is_dir() else Path.cwd() / "sweeps"

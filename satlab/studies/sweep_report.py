@@ -45,6 +45,7 @@ from rich.table import Table
 
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
+from satlab.config.resolve import user_path
 from satlab.config.specs import nest
 from satlab.evaluation.gates import SATURATION_METRIC
 from satlab.studies.attrs import ARCH, REASON, RETRY_OF, RUN_ID, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON
@@ -146,8 +147,8 @@ def passed_over(trials: Iterable[FrozenTrial], best: FrozenTrial, direction: str
 def best_config_text(spec: SweepSpec, trial: FrozenTrial, name: str) -> str:
     """An experiment YAML: ``base:`` the sweep's base experiment, then its fixed overrides and the trial's params."""
     base = spec.base
-    if Path(base).suffix in (".yaml", ".yml") or Path(base).is_file():
-        base = str(Path(base).resolve())  # a path base must still resolve wherever this file is moved
+    if (path := user_path(base)) is not None:
+        base = str(path.resolve())  # a path base must still resolve wherever this file is moved
     body = {"base": base, "name": name, "description": f"best trial ({trial.number}) of sweep {spec.name}",
             **nest({**spec.overrides, **trial.params})}
     return (f"# Trial {trial.number} of sweep '{spec.name}': {spec.objective.metric} {trial.value:.4f}.\n"

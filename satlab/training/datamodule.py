@@ -34,15 +34,6 @@ class LMDataModule(L.LightningDataModule):
         self.start_token = 0
 
     @property
-    def vocab_size(self) -> int:
-        return self.task.vocab_size if self.task is not None else self.data.vocab_size
-
-    @property
-    def head_fraction(self) -> float:
-        """The share of positions the LM head runs at: the answers of a recall task, every position of text."""
-        return 1.0 if self.task is None else self.task.answers_per_sequence / self.cfg.data.seq_len
-
-    @property
     def tokenizer(self):
         return self.task.tokenizer if self.task is not None else self.data.tokenizer
 

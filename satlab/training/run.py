@@ -7,7 +7,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
@@ -19,10 +19,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from satlab.config.derived import Schedule, derive_schedule
 from satlab.config.display import config_from_yaml, to_yaml
 from satlab.config.errors import ConfigError, RunStopped
-from satlab.config.loader import experiment_family
+from satlab.config.resolve import experiment_family
 from satlab.config.resume import RESUMABLE, resume_problems
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import TextTokenizer
+from satlab.data.vocabulary import model_vocabulary
 from satlab.models import count_params, flops_per_token, non_embedding_params
 from satlab.training.chatter import library_chatter_to
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
@@ -191,7 +192,8 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     run_dir, ckpt_path, info = run_directory(cfg)
     target = tracking_target(cfg, info)  # a bad store or server fails before any data is prepared
     data = LMDataModule(cfg, progress=progress)
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))  # the model's vocab is the tokenizer's
+    vocabulary = model_vocabulary(cfg, data.tokenizer)  # what the dry run derives, from the prepared tokenizer
+    cfg = vocabulary.sized(cfg)
     resume_step = None if ckpt_path is None else check_resumable(ckpt_path, cfg, data.tokenizer)
     if ckpt_path is not None:
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
@@ -205,7 +207,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         schedule = derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)
         data.set_schedule(schedule)
         module = LMModule(cfg, schedule, data.tokenizer)
-        flops = flops_per_token(module.model, cfg.data.seq_len, data.head_fraction)
+        flops = flops_per_token(module.model, cfg.data.seq_len, vocabulary.head_fraction)
 
         logger = make_logger(cfg, run_dir, info, preset, target, resume_step)
         if logger is not None:
