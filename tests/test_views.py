@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import parse_qs
 
 import pytest
 
@@ -28,6 +29,7 @@ from satlab.training.views import (
     open_lines,
     param_column,
     publish,
+    run_url,
     serve_command,
     tag_column,
 )
@@ -104,7 +106,8 @@ def test_the_comparison_state_leads_with_the_loss_curves_and_shows_every_run():
 
 def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it(tmp_path):
     assert comparison_url("http://mlflow.lab:5000/", "3", "k") == \
-        "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k"
+        "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k" \
+        "&workflowType=machine_learning"
     assert comparison_url(default_tracking_uri(), "3", "k").startswith("http://127.0.0.1:5000/#/experiments/3/")
     assert serve_command(default_tracking_uri()) == "make ui"
     other = f"sqlite:///{tmp_path}/mlflow.db"
@@ -114,6 +117,14 @@ def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it
 
 
 @pytest.mark.process
+def test_every_printed_url_opens_the_experiment_in_model_training_mode_not_genai():
+    """Without ``workflowType=machine_learning`` in the route's query MLflow 3.17 opens its GenAI sidebar."""
+    for url in (comparison_url("http://h:5000", "3", "k"), run_url(default_tracking_uri(), "3", "abc")):
+        route, query = url.split("#/", 1)[1].split("?", 1)
+        assert route.startswith("experiments/3/runs") and parse_qs(query)["workflowType"] == ["machine_learning"]
+    assert run_url("http://h:5000", "3", "abc").startswith("http://h:5000/#/experiments/3/runs/abc?")
+
+
 def test_make_ui_serves_the_store_it_is_given_and_refuses_a_server_url(tmp_path):
     store = f"sqlite:///{tmp_path}/mlflow.db"
     dry = subprocess.run(["make", "-n", "ui", f"STORE={store}", "PY=true", "STAMP="], cwd=ROOT, capture_output=True,

@@ -11,6 +11,9 @@ How, in MLflow 3's own terms (read off its UI, not guessed):
 - ``mlflow.runColor``, a run tag, is the colour the UI draws that run with (otherwise a hash of its id, where two
   runs can get near-identical shades).
 - ``compareRunsMode=CHART`` opens the chart view rather than the table.
+- ``workflowType=machine_learning`` opens the experiment in model-training mode: without it MLflow 3.17 uses the
+  mode last chosen in that browser, by default GenAI, whose sidebar (traces, judges, prompts, an assistant) takes
+  the place of the runs. The UI reads it from the route's query, on every experiment page.
 """
 
 from __future__ import annotations
@@ -141,13 +144,17 @@ def ui_address(tracking_uri: str) -> str:
     return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else UI_ADDRESS
 
 
+def ui_url(tracking_uri: str, route: str, **query: str) -> str:
+    """The UI's page ``route`` (``experiments/<id>/runs``...) in model-training mode: every URL satlab prints."""
+    return f"{ui_address(tracking_uri)}/#/{route}?{urlencode({**query, 'workflowType': 'machine_learning'})}"
+
+
 def comparison_url(tracking_uri: str, experiment_id: str, key: str) -> str:
-    query = urlencode({"compareRunsMode": "CHART", "viewStateShareKey": key})
-    return f"{ui_address(tracking_uri)}/#/experiments/{experiment_id}/runs?{query}"
+    return ui_url(tracking_uri, f"experiments/{experiment_id}/runs", compareRunsMode="CHART", viewStateShareKey=key)
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui_address(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+    return ui_url(tracking_uri, f"experiments/{experiment_id}/runs/{run_id}")
 
 
 def serve_command(tracking_uri: str) -> str | None:
