@@ -109,8 +109,24 @@ def test_satlab_sweep_dashboard_serves_that_storage(study, monkeypatch):
     study, plan, url = study
     served = []
     monkeypatch.setattr(optuna_dashboard, "run_server", lambda storage, host, port: served.append(storage))
-    assert serve_dashboard(url, "127.0.0.1", 8080, plan.spec) == 0
+    assert serve_dashboard(url, "127.0.0.1", 8080) == 0
     assert [t["number"] for t in study_detail(served[0], study)["best_trials"]] == [1]
+
+
+@pytest.mark.parametrize("served_with", [[], ["saturation.constraint=false"], ["pruner.warmup_tokens=98304"]])
+def test_serving_the_dashboard_leaves_the_note_the_sweep_wrote(study, monkeypatch, served_with):
+    """The sweep ran with a constraint (an override); serving it by name, with or without other overrides, must not
+    rewrite its note from the serving command line (it said "no constraint" beside trials marked infeasible)."""
+    import optuna_dashboard
+
+    from satlab.cli.main import main
+
+    study, plan, url = study
+    note = get_note(study)
+    assert "breaks the" in note and "no constraint" not in note
+    monkeypatch.setattr(optuna_dashboard, "run_server", lambda storage, host, port: None)
+    assert main(["sweep", "lr_tiny", "--dashboard", "--storage", url, *served_with]) == 0
+    assert get_note(optuna.load_study(study_name=study.study_name, storage=url)) == note
 
 
 def test_a_plain_optuna_dashboard_marks_the_best_value_infeasible_or_not(study):
