@@ -104,6 +104,18 @@ def test_the_comparison_state_leads_with_the_loss_curves_and_shows_every_run():
     json.dumps(state)  # what the experiment tag holds
 
 
+def test_results_are_bars_and_loss_curves_are_drawn_against_tokens_seen():
+    """docs/views.md promises bars for a study's end-of-run results: MLflow's UI redraws a bar card it thinks it
+    generated as a line (one dot per run) once the metric has a point past step 0, so the card is the view's own.
+    The loss curves use tokens seen as their x-axis, each card on its own (not the UI's global step axis)."""
+    charts = comparison_state(bars=["zero_shot/offline_zero_shot_avg"])["compareRunCharts"]
+    (bar,) = [c for c in charts if c["type"] == "BAR"]
+    assert bar["isGenerated"] is False and bar["deleted"] is False
+    for line in (c for c in charts if c["type"] == "LINE"):
+        assert (line["xAxisKey"], line["selectedXAxisMetricKey"], line["useGlobalXaxisKey"]) == \
+            ("metric", "tokens_seen", False)
+
+
 def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it(tmp_path):
     assert comparison_url("http://mlflow.lab:5000/", "3", "k") == \
         "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k" \

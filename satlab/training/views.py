@@ -54,19 +54,28 @@ def arch_colour(arch: str) -> str:
     return colour(names.index(arch)) if arch in names else colour(len(names) + sum(map(ord, arch)))
 
 
+X_AXIS = "tokens_seen"
+"""The loss curves' x-axis: runs of different batch sizes (or experiments) line up on tokens, not on steps. Every
+step a run logs at has one ``tokens_seen`` point (:mod:`satlab.training.mlflow_logger`), which is how MLflow pairs
+a metric with the metric on its x-axis."""
+
+
 def _line(key: str, section: str) -> dict:
-    """A line-chart card as the UI's ``RunsChartsLineCardConfig`` serialises it."""
+    """A line-chart card as the UI's ``RunsChartsLineCardConfig`` serialises it, against :data:`X_AXIS`."""
     return {"uuid": f"satlab-{key}", "type": "LINE", "metricSectionId": section, "deleted": False,
             "isGenerated": True, "displayName": key, "metricKey": key, "selectedMetricKeys": [key],
             "runsCountToCompare": 100, "lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear",
-            "range": {}, "xAxisKey": "step", "selectedXAxisMetricKey": "", "yAxisKey": "metric",
-            "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": True,
+            "range": {}, "xAxisKey": "metric", "selectedXAxisMetricKey": X_AXIS, "yAxisKey": "metric",
+            "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": False,
             "useGlobalLineSmoothing": True}
 
 
 def _bar(key: str, section: str) -> dict:
+    """A bar-chart card: one bar per run, its last value. Not marked ``isGenerated``: the UI turns a generated bar
+    card into a line chart as soon as a run has the metric at a step above 0 (an end-of-run result is logged at the
+    last step), which draws one dot per run."""
     return {"uuid": f"satlab-{key}", "type": "BAR", "metricSectionId": section, "deleted": False,
-            "isGenerated": True, "displayName": key, "metricKey": key, "runsCountToCompare": 100}
+            "isGenerated": False, "displayName": key, "metricKey": key, "runsCountToCompare": 100}
 
 
 def _section(uuid: str, name: str) -> dict:
