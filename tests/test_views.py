@@ -3,11 +3,18 @@ the screenshot tool that proves a page rendered (with Chromium, where installed)
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import parse_qs
@@ -173,6 +180,102 @@ def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_r
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "FAILED" in bad.stderr and "not rendered" in bad.stderr
     assert not (tmp_path / "c.png").exists() and (tmp_path / "c.failed.png").exists()
+
+
+@pytest.fixture
+def silent_port():
+    """A port that takes connections (the kernel completes them into the backlog) and never answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        yield server.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+SCREENSHOT = [sys.executable, str(ROOT / "scripts" / "cdp_screenshot.py")]
+
+
+@needs_chromium
+@pytest.mark.process
+def test_the_screenshot_tool_gives_up_on_a_server_that_never_answers_within_its_deadline(tmp_path, silent_port):
+    """The navigation is inside ``--wait``: a server that accepts and never answers fails, not hangs."""
+    started = time.monotonic()
+    proc = subprocess.run([*SCREENSHOT, "--wait", "3", str(tmp_path / "a.png"), f"http://127.0.0.1:{silent_port}/",
+                           "true"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "no answer from the server within 3 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 45 and not (tmp_path / "a.png").exists()
+
+
+@needs_chromium
+@pytest.mark.process
+def test_the_screenshot_tool_fails_on_an_error_page_whatever_the_check(tmp_path):
+    """A check that holds on any page ("true") still fails on nothing listening (Chromium's "site can't be reached"
+    page) and on an HTTP error status; a page served with 200 passes."""
+    (tmp_path / "ok.html").write_text("<html><body>fine</body></html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = subprocess.run([*SCREENSHOT, "--wait", "10", str(tmp_path / "refused.png"),
+                               f"http://127.0.0.1:{free_port()}/", "true", str(tmp_path / "missing.png"),
+                               f"{base}/missing.html", "true", str(tmp_path / "ok.png"), f"{base}/ok.html", "true"],
+                              capture_output=True, text=True, timeout=120)
+        server.shutdown()
+    assert proc.returncode == 1, proc.stderr
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and "net::ERR_CONNECTION_REFUSED" in failed[0] and "HTTP status 404" in failed[1]
+    assert (tmp_path / "ok.png").exists() and not (tmp_path / "refused.png").exists()
+    assert not (tmp_path / "missing.png").exists()
+
+
+def process_groups() -> dict[int, int]:
+    """pid -> process group of every live process (from /proc; a zombie has ended, only not been reaped)."""
+    groups = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                groups[int(stat.parent.name)] = int(fields[2])
+    return groups
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@needs_chromium
+@pytest.mark.process
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_screenshot_tool_takes_its_chromium_with_it_when_stopped(tmp_path, silent_port, signum):
+    """Stopped while a page loads, the tool ends and leaves no process of its browser's group behind."""
+    proc = subprocess.Popen([*SCREENSHOT, "--wait", "120", str(tmp_path / "a.png"),
+                             f"http://127.0.0.1:{silent_port}/", "true"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (browser := children(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no chromium started"
+            time.sleep(0.2)
+        (group,) = browser  # Chromium leads a process group of its own
+        while sum(g == group for g in process_groups().values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # its renderer and helpers up, the page loading
+        time.sleep(2)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 128 + signum
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid, g in process_groups().items() if g == group]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow
