@@ -330,3 +330,23 @@ def test_a_view_published_by_two_hosts_at_once_is_written_by_the_slower_one_too(
     with pytest.raises(MlflowException, match="locked"):
         publish(client, experiment, "satlab-study-y", {"ours": 2})
     assert len(calls) == 1
+
+
+def test_the_run_summary_prints_the_whole_url_on_one_line_however_narrow_the_console():
+    """In a table cell rich cut the URL to the column ("...workflowType=ma…"), which opened the wrong view."""
+    import io
+
+    from rich.console import Console
+
+    from satlab.config.loader import load_experiment
+    from satlab.training.summary import print_summary
+
+    url = comparison_url(default_tracking_uri(), "12", "satlab-runs")
+    result = SimpleNamespace(params=1, non_embedding_params=1, tokens=1, initial_val_loss=None, final_val_loss=None,
+                             final_train_loss=None, recall={}, tokens_per_sec=None, wall_seconds=1.0, eval_seconds=None,
+                             run_dir=Path("runs/x"), mlflow_run_id="abc", experiment="tiny",
+                             tracking_uri=default_tracking_uri(), view_url=url)
+    for width in (80, 140):
+        out = Console(file=io.StringIO(), width=width)
+        print_summary(load_experiment("default"), result, console=out)
+        assert f"compare in MLflow: {url}\n" in out.file.getvalue()
