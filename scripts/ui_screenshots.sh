@@ -119,6 +119,6 @@ $PY scripts/cdp_screenshot.py \
   "$OUT/runs_comparison.png" "$RUNS_URL" "$LOSS_FIRST" \
   "$OUT/ablation_comparison.png" "$ABLATION_URL" "$LOSS_FIRST" \
   "$OUT/ablation_parent.png" "$PARENT_URL" "$PARENT_METRICS" \
-  "$OUT/ablation_report.png" "$PARENT_URL/artifacts/report/report.html" "$REPORT_IMAGES" \
+  "$OUT/ablation_report.png" "${PARENT_URL%%\?*}/artifacts/report/report.html?${PARENT_URL#*\?}" "$REPORT_IMAGES" \
   "$OUT/dashboard.png" "http://127.0.0.1:$DASH/dashboard/studies/$STUDY_ID/trials" "$BEST_SHOWN"
 echo "best trial: $BEST (satlab and optuna-dashboard); screenshots in $OUT"

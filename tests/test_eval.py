@@ -267,3 +267,20 @@ def test_progress_false_silences_every_bar_of_the_suite_lm_evals_included(progre
     err = capfd.readouterr().err
     bars = ("it/s]" in err, "Tokenizing inputs" in err, "satlab loglikelihood" in err)
     assert bars == ((True,) * 3 if progress else (False,) * 3), err[-2000:]
+
+
+def test_satlab_eval_logs_into_the_run_with_a_tokens_seen_point_at_the_step(tmp_path):
+    """A checkpoint's later evaluation plots against tokens like the run's own metrics: its step gets one
+    ``tokens_seen`` point, unless the run already has one there."""
+    from satlab.cli.eval import log_to_run
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "a"))).info.run_id
+    client.log_metric(run_id, "tokens_seen", 5120.0, step=10)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"tracking_uri": client.tracking_uri,
+                                                          "mlflow_run_id": run_id}))
+    for step in (10, 20, 20):
+        assert log_to_run(tmp_path / "run" / "checkpoints" / "x.ckpt", {"zero_shot/a": 0.5}, step, step * 512) == run_id
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "tokens_seen")) == \
+        [(10, 5120.0), (20, 10240.0)]

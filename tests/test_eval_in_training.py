@@ -91,7 +91,7 @@ def test_a_run_page_leads_with_what_matters(tmp_path):
     assert first == ["val/loss", "train/loss"] and state["compareRunSections"][0]["uuid"] == "satlab-curves"
     assert "tags.`arch`" in state["selectedColumns"] and "metrics.`val/loss`" in state["selectedColumns"]
     assert result.view_url.endswith(f"/#/experiments/{experiment.experiment_id}/runs?compareRunsMode=CHART"
-                                    f"&viewStateShareKey={FAMILY_VIEW}")
+                                    f"&viewStateShareKey={FAMILY_VIEW}&workflowType=machine_learning")
 
 
 def test_the_run_summary_gives_the_evaluation_time_against_the_training_before_it():

@@ -109,8 +109,24 @@ def test_satlab_sweep_dashboard_serves_that_storage(study, monkeypatch):
     study, plan, url = study
     served = []
     monkeypatch.setattr(optuna_dashboard, "run_server", lambda storage, host, port: served.append(storage))
-    assert serve_dashboard(url, "127.0.0.1", 8080, plan.spec) == 0
+    assert serve_dashboard(url, "127.0.0.1", 8080) == 0
     assert [t["number"] for t in study_detail(served[0], study)["best_trials"]] == [1]
+
+
+@pytest.mark.parametrize("served_with", [[], ["saturation.constraint=false"], ["pruner.warmup_tokens=98304"]])
+def test_serving_the_dashboard_leaves_the_note_the_sweep_wrote(study, monkeypatch, served_with):
+    """The sweep ran with a constraint (an override); serving it by name, with or without other overrides, must not
+    rewrite its note from the serving command line (it said "no constraint" beside trials marked infeasible)."""
+    import optuna_dashboard
+
+    from satlab.cli.main import main
+
+    study, plan, url = study
+    note = get_note(study)
+    assert "breaks the" in note and "no constraint" not in note
+    monkeypatch.setattr(optuna_dashboard, "run_server", lambda storage, host, port: None)
+    assert main(["sweep", "lr_tiny", "--dashboard", "--storage", url, *served_with]) == 0
+    assert get_note(optuna.load_study(study_name=study.study_name, storage=url)) == note
 
 
 def test_a_plain_optuna_dashboard_marks_the_best_value_infeasible_or_not(study):
@@ -249,3 +265,33 @@ def test_the_report_says_when_no_trial_is_feasible(tmp_path):
     assert [t["number"] for t in detail["best_trials"]] == [0]  # the same stand-in; Optuna's best_trial raises
     with pytest.raises(ValueError, match="No feasible trials"):
         _ = study.best_trial
+
+
+@pytest.mark.parametrize("action", ["prune", "observe"])
+def test_trial_runs_carry_their_feasibility_and_the_sweep_view_puts_a_feasible_trial_on_top(tmp_path, action):
+    """Each finished or pruned trial's run is tagged ``feasible``; with a constraint the sweep's view shows the
+    feasible trials only, so that its order by val/loss (MLflow sorts by one key) starts at the best trial, not at
+    trial 0, which has the lowest loss but saturated gates. An observing guard records no constraint: every trial is
+    feasible and shown."""
+    from satlab.studies.engine import publish_study_view
+    from satlab.studies.runs import FEASIBLE_TAG, TRIAL_TAG, close_trial_run
+    from satlab.training.views import SHARE_TAG
+
+    spec = load_sweep("lr_tiny", [f"out_dir={tmp_path}", f"saturation.action={action}"])
+    plan = SearchPlan(spec, spec.base_config().model.arch, len(TRIALS))
+    study, _ = open_study(spec, plan, open_storage(f"sqlite:///{tmp_path / 'optuna.db'}"))
+    client, parent = parent_run(tmp_path)
+    for arch, lr, value, saturation, state in TRIALS:
+        trial = run_trial(study, plan, {"model.arch": arch, "optim.lr": lr}, value, saturation, state)
+        run_id = close_trial_run(client, parent, spec.name, trial, None, None, None)
+        client.log_metric(run_id, "val/loss", value, step=1)
+    experiment = client.get_run(parent).info.experiment_id
+    trial_runs = client.search_runs([experiment], f"tags.`optuna.study` = '{spec.name}'")
+    tags = [run.data.tags.get(FEASIBLE_TAG) for run in sorted(trial_runs, key=lambda r: r.data.tags[TRIAL_TAG])]
+    assert tags == (["false", "true", "true", "true"] if action == "prune" else ["true"] * 4)
+    publish_study_view(client, spec, parent, client.tracking_uri)
+    state = json.loads(client.get_experiment(experiment).tags[f"{SHARE_TAG}satlab-study-{parent}"])
+    assert "tags.`feasible`" in state["selectedColumns"]
+    shown = client.search_runs([experiment], state["searchFilter"], order_by=[f"{state['orderByKey']} ASC"])
+    numbers = [int(run.data.tags[TRIAL_TAG]) for run in shown]
+    assert numbers[0] == (1 if action == "prune" else 0) and len(numbers) == (3 if action == "prune" else 4)

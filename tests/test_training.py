@@ -172,3 +172,34 @@ def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
     for other in (bench_loop, lightning):
         for (name, a), b in zip(plain.model.named_parameters(), other.model.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def metric_points(client: mlflow.MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+            for key in client.get_run(run_id).data.metrics}
+
+
+def test_every_metric_has_one_tokens_seen_point_at_its_step_and_batch_sizes_line_up_on_it(tmp_path):
+    """MLflow plots a metric against ``tokens_seen`` by joining their points on the step: every step at which any
+    metric (train, validation, gates, throughput) is logged has exactly one ``tokens_seen`` point. Two runs of
+    different batch sizes in two experiments validate at the same token counts. A fit that validated at its last
+    step is not validated again: the last val/loss point is logged once, not repeated a step later."""
+    results = [train(tiny_config(tmp_path, f"name=b{tokens}", f"train.global_batch_tokens={tokens}",
+                                 f"tracking.experiment=batch-{tokens}"), progress=False)
+               for tokens in (512, 1024)]
+    client = mlflow.MlflowClient(results[0].tracking_uri)
+    val_tokens = []
+    for result in results:
+        points = metric_points(client, result.mlflow_run_id)
+        tokens = points.pop("tokens_seen")
+        steps = [step for step, _ in tokens]
+        assert len(steps) == len(set(steps)), tokens  # one point per step: the join pairs each metric point once
+        assert [value for _, value in tokens] == sorted(value for _, value in tokens)
+        for key, history in points.items():
+            assert {step for step, _ in history} <= set(steps), key
+        at = dict(tokens)
+        assert len(points["val/loss"]) == len({step for step, _ in points["val/loss"]}) == 3  # before, middle, end
+        assert points["val/loss"][-1][1] == pytest.approx(result.final_val_loss)
+        val_tokens.append([at[step] for step, _ in points["val/loss"]])
+    assert val_tokens[0] == val_tokens[1] == [0, 5120, 10240]
+    assert len({r.experiment for r in results}) == 2

@@ -3,13 +3,21 @@ the screenshot tool that proves a page rendered (with Chromium, where installed)
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import parse_qs
 
 import pytest
 
@@ -28,6 +36,7 @@ from satlab.training.views import (
     open_lines,
     param_column,
     publish,
+    run_url,
     serve_command,
     tag_column,
 )
@@ -102,9 +111,22 @@ def test_the_comparison_state_leads_with_the_loss_curves_and_shows_every_run():
     json.dumps(state)  # what the experiment tag holds
 
 
+def test_results_are_bars_and_loss_curves_are_drawn_against_tokens_seen():
+    """docs/views.md promises bars for a study's end-of-run results: MLflow's UI redraws a bar card it thinks it
+    generated as a line (one dot per run) once the metric has a point past step 0, so the card is the view's own.
+    The loss curves use tokens seen as their x-axis, each card on its own (not the UI's global step axis)."""
+    charts = comparison_state(bars=["zero_shot/offline_zero_shot_avg"])["compareRunCharts"]
+    (bar,) = [c for c in charts if c["type"] == "BAR"]
+    assert bar["isGenerated"] is False and bar["deleted"] is False
+    for line in (c for c in charts if c["type"] == "LINE"):
+        assert (line["xAxisKey"], line["selectedXAxisMetricKey"], line["useGlobalXaxisKey"]) == \
+            ("metric", "tokens_seen", False)
+
+
 def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it(tmp_path):
     assert comparison_url("http://mlflow.lab:5000/", "3", "k") == \
-        "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k"
+        "http://mlflow.lab:5000/#/experiments/3/runs?compareRunsMode=CHART&viewStateShareKey=k" \
+        "&workflowType=machine_learning"
     assert comparison_url(default_tracking_uri(), "3", "k").startswith("http://127.0.0.1:5000/#/experiments/3/")
     assert serve_command(default_tracking_uri()) == "make ui"
     other = f"sqlite:///{tmp_path}/mlflow.db"
@@ -114,6 +136,14 @@ def test_the_url_points_at_the_ui_that_serves_the_store_and_says_how_to_start_it
 
 
 @pytest.mark.process
+def test_every_printed_url_opens_the_experiment_in_model_training_mode_not_genai():
+    """Without ``workflowType=machine_learning`` in the route's query MLflow 3.17 opens its GenAI sidebar."""
+    for url in (comparison_url("http://h:5000", "3", "k"), run_url(default_tracking_uri(), "3", "abc")):
+        route, query = url.split("#/", 1)[1].split("?", 1)
+        assert route.startswith("experiments/3/runs") and parse_qs(query)["workflowType"] == ["machine_learning"]
+    assert run_url("http://h:5000", "3", "abc").startswith("http://h:5000/#/experiments/3/runs/abc?")
+
+
 def test_make_ui_serves_the_store_it_is_given_and_refuses_a_server_url(tmp_path):
     store = f"sqlite:///{tmp_path}/mlflow.db"
     dry = subprocess.run(["make", "-n", "ui", f"STORE={store}", "PY=true", "STAMP="], cwd=ROOT, capture_output=True,
@@ -150,6 +180,106 @@ def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_r
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "FAILED" in bad.stderr and "not rendered" in bad.stderr
     assert not (tmp_path / "c.png").exists() and (tmp_path / "c.failed.png").exists()
+
+
+@pytest.fixture
+def silent_port():
+    """A port that takes connections (the kernel completes them into the backlog) and never answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        yield server.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+SCREENSHOT = [sys.executable, str(ROOT / "scripts" / "cdp_screenshot.py")]
+
+
+@needs_chromium
+@pytest.mark.process
+def test_the_screenshot_tool_gives_up_on_a_server_that_never_answers_within_its_deadline(tmp_path, silent_port):
+    """The navigation is inside ``--wait``: a server that accepts and never answers fails, not hangs."""
+    started = time.monotonic()
+    proc = subprocess.run([*SCREENSHOT, "--wait", "3", str(tmp_path / "a.png"), f"http://127.0.0.1:{silent_port}/",
+                           "true"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "no answer from the server within 3 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 45 and not (tmp_path / "a.png").exists()
+
+
+@needs_chromium
+@pytest.mark.process
+def test_the_screenshot_tool_fails_on_an_error_page_whatever_the_check(tmp_path):
+    """A check that holds on any page ("true") still fails on nothing listening (Chromium's "site can't be reached"
+    page) and on an HTTP error status; a page served with 200 passes."""
+    (tmp_path / "ok.html").write_text("<html><body>fine</body></html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = subprocess.run([*SCREENSHOT, "--wait", "10", str(tmp_path / "refused.png"),
+                               f"http://127.0.0.1:{free_port()}/", "true", str(tmp_path / "missing.png"),
+                               f"{base}/missing.html", "true", str(tmp_path / "ok.png"), f"{base}/ok.html", "true"],
+                              capture_output=True, text=True, timeout=120)
+        server.shutdown()
+    assert proc.returncode == 1, proc.stderr
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and "net::ERR_CONNECTION_REFUSED" in failed[0] and "HTTP status 404" in failed[1]
+    assert (tmp_path / "ok.png").exists() and not (tmp_path / "refused.png").exists()
+    assert not (tmp_path / "missing.png").exists()
+
+
+def process_groups() -> dict[int, int]:
+    """pid -> process group of every live process (from /proc; a zombie has ended, only not been reaped)."""
+    groups = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                groups[int(stat.parent.name)] = int(fields[2])
+    return groups
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@needs_chromium
+@pytest.mark.process
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_screenshot_tool_takes_its_chromium_with_it_when_stopped(tmp_path, silent_port, signum):
+    """Stopped while a page loads, the tool ends and leaves no process of its browser's group behind."""
+    proc = subprocess.Popen([*SCREENSHOT, "--wait", "120", str(tmp_path / "a.png"),
+                             f"http://127.0.0.1:{silent_port}/", "true"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    group = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (browser := children(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no chromium started"
+            time.sleep(0.2)
+        (group,) = browser  # Chromium leads a process group of its own
+        while sum(g == group for g in process_groups().values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # its renderer and helpers up, the page loading
+        time.sleep(2)
+        proc.send_signal(signum)
+        returncode = proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid, g in process_groups().items() if g == group]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [] and returncode == 128 + signum
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if group is not None:  # what a failing tool left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -200,3 +330,23 @@ def test_a_view_published_by_two_hosts_at_once_is_written_by_the_slower_one_too(
     with pytest.raises(MlflowException, match="locked"):
         publish(client, experiment, "satlab-study-y", {"ours": 2})
     assert len(calls) == 1
+
+
+def test_the_run_summary_prints_the_whole_url_on_one_line_however_narrow_the_console():
+    """In a table cell rich cut the URL to the column ("...workflowType=ma…"), which opened the wrong view."""
+    import io
+
+    from rich.console import Console
+
+    from satlab.config.loader import load_experiment
+    from satlab.training.summary import print_summary
+
+    url = comparison_url(default_tracking_uri(), "12", "satlab-runs")
+    result = SimpleNamespace(params=1, non_embedding_params=1, tokens=1, initial_val_loss=None, final_val_loss=None,
+                             final_train_loss=None, recall={}, tokens_per_sec=None, wall_seconds=1.0, eval_seconds=None,
+                             run_dir=Path("runs/x"), mlflow_run_id="abc", experiment="tiny",
+                             tracking_uri=default_tracking_uri(), view_url=url)
+    for width in (80, 140):
+        out = Console(file=io.StringIO(), width=width)
+        print_summary(load_experiment("default"), result, console=out)
+        assert f"compare in MLflow: {url}\n" in out.file.getvalue()

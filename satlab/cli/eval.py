@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     if not args.no_mlflow:
-        run_id = log_to_run(loaded.path, metric_keys(results), loaded.step)
+        run_id = log_to_run(loaded.path, metric_keys(results), loaded.step,
+                            loaded.step * loaded.cfg.train.global_batch_tokens)
         if run_id:
             print(f"logged {len(metric_keys(results))} metrics into MLflow run {run_id} at step {loaded.step}")
     return 0
@@ -104,8 +105,9 @@ def print_results(results: dict[str, dict[str, float]], title: str) -> None:
     Console().print(table)
 
 
-def log_to_run(ckpt_path: Path, metrics: dict[str, float], step: int) -> str | None:
-    """Logs ``metrics`` at ``step`` into the MLflow run named by the run.json of the checkpoint's run directory;
+def log_to_run(ckpt_path: Path, metrics: dict[str, float], step: int, tokens_seen: int | None = None) -> str | None:
+    """Logs ``metrics`` at ``step`` into the MLflow run named by the run.json of the checkpoint's run directory, with
+    the step's ``tokens_seen`` point when the run has none there (so they plot against tokens like the run's own);
     returns that run's id, or None when there is no run.json."""
     info_path = next((d / RUN_INFO for d in (ckpt_path.parent, ckpt_path.parent.parent) if (d / RUN_INFO).is_file()),
                      None)
@@ -114,11 +116,15 @@ def log_to_run(ckpt_path: Path, metrics: dict[str, float], step: int) -> str | N
     import mlflow
     from mlflow.entities import Metric
 
+    from satlab.training.mlflow_logger import TOKENS_SEEN
+
     info = json.loads(info_path.read_text(encoding="utf-8"))
-    now = int(time.time() * 1000)
-    mlflow.MlflowClient(info["tracking_uri"]).log_batch(
-        info["mlflow_run_id"], metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
-    return info["mlflow_run_id"]
+    client, run_id, now = mlflow.MlflowClient(info["tracking_uri"]), info["mlflow_run_id"], int(time.time() * 1000)
+    points = [Metric(key, value, now, step) for key, value in metrics.items()]
+    if tokens_seen is not None and step not in {m.step for m in client.get_metric_history(run_id, TOKENS_SEEN)}:
+        points.append(Metric(TOKENS_SEEN, float(tokens_seen), now, step))
+    client.log_batch(run_id, metrics=points)
+    return run_id
 
 
 def _positive_int(key: str, value: str, minimum: int = 1) -> int:

@@ -8,7 +8,6 @@ import contextlib
 
 from satlab.config.errors import EXIT_REQUEUE, ConfigError
 from satlab.studies.loader import load_sweep
-from satlab.studies.spec import SweepSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n-trials must be >= 0, got {args.n_trials}")
     spec = load_sweep(args.spec, args.overrides)
     if args.dashboard:
-        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port, spec,
+        return serve_dashboard(args.storage or spec.storage_url(), args.host, args.port,
                                create_folder=not (args.storage or spec.storage))
     from satlab.studies.engine import run_study
 
@@ -44,23 +43,19 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_REQUEUE if result.interrupted else 0
 
 
-def serve_dashboard(storage: str, host: str, port: int, spec: SweepSpec | None = None,
-                    create_folder: bool = False) -> int:
+def serve_dashboard(storage: str, host: str, port: int, create_folder: bool = False) -> int:
     """optuna-dashboard on the storage (Ctrl-C stops it), its best trial the best feasible one as in satlab's report
-    (:mod:`satlab.studies.dashboard`); the note of ``spec``'s study, when it exists, is brought up to date."""
+    (:mod:`satlab.studies.dashboard`). Serving only reads: the study's note is the one the sweep wrote from the spec
+    it ran, which the command line that serves it (a spec name without that run's overrides) may not repeat."""
     try:
         from optuna_dashboard import run_server
     except ImportError:
         raise ConfigError("optuna-dashboard is not installed: pip install 'satlab[dashboard]'") from None
-    import optuna
-
-    from satlab.studies.dashboard import dashboard_storage, write_note
+    from satlab.studies.dashboard import dashboard_storage
     from satlab.studies.storage import open_storage, safe_url
 
     open_storage(storage, create_folder=create_folder)  # a bad URL or unreachable server fails before the server
     served = dashboard_storage(storage)  # plain reads: the dashboard needs no write-locking transactions
-    if spec is not None and spec.name in {s.study_name for s in served.get_all_studies()}:
-        write_note(optuna.load_study(study_name=spec.name, storage=served), spec)
     print(f"optuna-dashboard on {safe_url(storage)}: http://{host}:{port}  (Ctrl-C stops it)")
     with contextlib.suppress(KeyboardInterrupt):
         run_server(served, host=host, port=port)

@@ -26,6 +26,7 @@ from satlab.studies import attrs as A
 from satlab.studies.dashboard import write_note
 from satlab.studies.plans import GridPlan, Plan, SearchPlan
 from satlab.studies.runs import (
+    FEASIBLE_TAG,
     GROUP_TAG,
     PARENT_TAG,
     create_parent_run,
@@ -156,14 +157,17 @@ def publish_study_view(client: mlflow.MlflowClient, spec: StudySpec, parent_id: 
     """The comparison of the study's runs (the parent's children), named by their values and coloured by group:
     the loss curves, then (an ablation's) end-of-run accuracies; the table shows each run's group or searched
     values. Returns its URL."""
+    run_filter = f"tags.`{PARENT_TAG}` = '{parent_id}'"
     if isinstance(spec, AblationSpec):
         columns = [tag_column(GROUP_TAG)]
         bars = ("zero_shot/offline_zero_shot_avg", "zero_shot/offline_retrieval_avg", "recall/acc")
     else:
-        columns = [param_column(name) for name in spec.space if name != "model.arch"]
+        columns = [param_column(name) for name in spec.space if name != "model.arch"] + [tag_column(FEASIBLE_TAG)]
         bars = ()
+        if spec.saturation.records_constraint():  # MLflow sorts by one key: the top row must be able to be the best
+            run_filter += f" and tags.`{FEASIBLE_TAG}` = 'true'"
     key = f"satlab-study-{parent_id}"
-    state = comparison_state(f"tags.`{PARENT_TAG}` = '{parent_id}'", bars=bars, columns=columns)
+    state = comparison_state(run_filter, bars=bars, columns=columns)
     experiment = client.get_run(parent_id).info.experiment_id
     publish(client, experiment, key, state)
     return comparison_url(tracking_uri, experiment, key)

@@ -150,7 +150,7 @@ class SearchPlan:
         list is a trial system attr, which Optuna's public calls no longer write (Trial's ``set_system_attr`` is
         gone, TPE's ``constraints_func`` deprecated), so it goes through the trial's storage."""
         guard = self.spec.saturation
-        if guard.threshold is None or not guard.constraint or guard.action == "observe":
+        if not guard.records_constraint():
             return
         value = float(saturation or 0.0) - guard.threshold
         storage = trial.storage

@@ -19,6 +19,7 @@ from mlflow.entities import Param, Run
 from mlflow.exceptions import MlflowException
 from optuna.trial import FrozenTrial
 
+from satlab.studies.best import is_feasible
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec, format_value
 from satlab.studies.storage import safe_url
 from satlab.training.tracking import experiment_id, git_revision
@@ -34,6 +35,7 @@ FINGERPRINT_TAG = "satlab.ablation.fingerprint"
 REASON_TAG = "sweep.reason"
 WOULD_PRUNE_TAG = "guard.would_prune_at"  # an observing saturation guard's would-be prune: tokens seen, and why
 WOULD_PRUNE_REASON_TAG = "guard.would_prune_reason"
+FEASIBLE_TAG = "feasible"  # a finished or pruned trial's run: "true" when it met its constraints (satlab.studies.best)
 STOPPED_TAG = "trial.stopped"  # why a trial stopped before its budget (nan, pruned, gate_saturation): its run FAILED
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
@@ -131,8 +133,8 @@ def end_run(client: mlflow.MlflowClient, run_id: str | None, status: str) -> Non
 
 def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name: str, trial: FrozenTrial,
                     run_id: str | None, reason: str | None, log_file: Path | None) -> str:
-    """Tag the trial's run (made here if the trial died before opening one) with its Optuna state and reason, attach
-    the trial log, and end it with the matching status."""
+    """Tag the trial's run (made here if the trial died before opening one) with its Optuna state, reason and
+    feasibility, attach the trial log, and end it with the matching status."""
     state = trial.state.name
     if usable_run(client, run_id) is None:
         parent = client.get_run(parent_run_id)
@@ -141,6 +143,8 @@ def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name:
                                    tags=tags).info.run_id
         client.log_batch(run_id, params=[Param(k, format_value(v)) for k, v in trial.params.items()])
     client.set_tag(run_id, "optuna.state", state)
+    if state in ("COMPLETE", "PRUNED"):  # judged on its gates (a failed trial has no verdict): the sweep view's filter
+        client.set_tag(run_id, FEASIBLE_TAG, str(is_feasible(trial)).lower())
     if reason:
         client.set_tag(run_id, REASON_TAG, reason[:5000])
     if state != "COMPLETE":  # MLflow has no "pruned" status: the runs table's stop_reason column says it

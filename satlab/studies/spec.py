@@ -145,6 +145,10 @@ class SaturationGuard:
     constraint: bool = True
     action: str = field(default="observe", metadata={"choices": ("prune", "observe")})
 
+    def records_constraint(self) -> bool:
+        """Whether trials get a feasibility constraint (a guard that is on, a constraint, and not observing)."""
+        return self.threshold is not None and self.constraint and self.action != "observe"
+
 
 @dataclass
 class TrialSettings:

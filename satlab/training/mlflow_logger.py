@@ -12,6 +12,12 @@ either, because checkpoints are written only after everything of their step is l
 Writes go through :class:`~satlab.training.tracking_buffer.BufferedClient`, so an outage of the store costs no
 record: what could not be sent waits in the run folder and is sent, in order, once the store answers.
 
+Every step at which anything is logged gets one ``tokens_seen`` point (:data:`TOKENS_SEEN`), whoever logs it
+(training, validation, the evaluation callback, the throughput callback): MLflow plots a metric against another by
+joining their points on the step, so a metric is plottable against tokens seen only at steps where ``tokens_seen``
+has a point, and only one (two points at one step would shift the pairs). Runs of different batch sizes, or from
+different experiments, line up on that axis.
+
 The run's MLflow status is set by :meth:`close`, not by Lightning's ``finalize``, which runs after every
 ``trainer.validate`` and would mark a run FINISHED by the validation before training starts.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
@@ -28,13 +34,20 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from satlab.training.tracking_buffer import BufferedClient
 
+TOKENS_SEEN = "tokens_seen"
+"""The metric every step that logs anything carries: the training tokens seen when the step's values were measured."""
+
 CLOSE_WAIT_SECONDS = 120.0
 """How long the end of a run waits for a store that is down to take what was kept during the outage."""
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
-    def __init__(self, *args, run_dir: Path, store: str, resume_step: int | None = None, **kwargs):
+    def __init__(self, *args, run_dir: Path, store: str, resume_step: int | None = None,
+                 tokens_seen: Callable[[], int] | None = None, **kwargs):
+        """``tokens_seen``: the run's training tokens so far (read at each step's first log call)."""
         super().__init__(*args, **kwargs)
+        self.tokens_seen = tokens_seen
+        self._tokens_step = -1  # the last step given its tokens_seen point (steps are logged in increasing order)
         self._mlflow_client = self.buffer = BufferedClient(self._mlflow_client, run_dir, store)
         self.resume_step = resume_step
         self._recorded: Counter[tuple[str, int]] | None = None
@@ -54,6 +67,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         recorded = self._already_recorded()
+        metrics = self._with_tokens(metrics, step or 0)
         fresh = {}
         for key, value in metrics.items():
             if key == "epoch":  # Lightning adds it to every log call; a token-budgeted run has one epoch
@@ -64,6 +78,16 @@ class ResumableMLFlowLogger(MLFlowLogger):
                 fresh[key] = value
         if fresh:
             super().log_metrics(fresh, step)
+
+    def _with_tokens(self, metrics: Mapping[str, float], step: int) -> Mapping[str, float]:
+        """``metrics`` with the step's ``tokens_seen`` point if it has none yet, without one if it has."""
+        if self.tokens_seen is None:
+            return metrics
+        metrics = {k: v for k, v in metrics.items() if k != TOKENS_SEEN}
+        if step > self._tokens_step:
+            self._tokens_step = step
+            metrics[TOKENS_SEEN] = float(self.tokens_seen())
+        return metrics
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:

@@ -59,6 +59,7 @@ class LMModule(L.LightningModule):
         self.val_correct = torchmetrics.SumMetric()
         self.recall_reached: dict[str, int] = {}  # threshold -> the first step whose validation reached it
         self.reached_stop_acc = False
+        self.validated_at: int | None = None  # the step of the last validation inside fit
 
     def configure_model(self) -> None:
         """Per-block compile, activation checkpointing, then FSDP2 sharding under the model-parallel strategy (see
@@ -106,8 +107,7 @@ class LMModule(L.LightningModule):
         clipping, and the learning rate."""
         step_loss = torch.stack(self._step_losses).mean()
         self._step_losses.clear()
-        self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)
-        self.log("tokens_seen", float(self.tokens_seen))
+        self.log("train/loss", step_loss, prog_bar=True, sync_dist=True)  # tokens_seen: the logger adds it
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # a DTensor under FSDP2, as clipping wants it
         total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -159,6 +159,8 @@ class LMModule(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self.validated_at = self.global_step
         if self.answers_only:
             self._log_recall(float(self.val_correct.compute() / count))
             self.val_correct.reset()

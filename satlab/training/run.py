@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +153,10 @@ def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
 
 
 def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
-                target: tuple[str, str | None] | None, resume_step: int | None) -> ResumableMLFlowLogger | None:
+                target: tuple[str, str | None] | None, resume_step: int | None,
+                tokens_seen: Callable[[], int] | None = None) -> ResumableMLFlowLogger | None:
+    """The run's MLflow logger (None without tracking, and off rank 0); ``tokens_seen`` gives the ``tokens_seen``
+    point it adds at every logged step."""
     if target is None:
         return None
     uri, artifacts = target
@@ -171,6 +174,7 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
         resume_step=resume_step,
         run_dir=run_dir,
         store=safe_uri(uri),
+        tokens_seen=tokens_seen,
         tags=provenance_tags(cfg.model.arch, preset) | {"run_dir": str(run_dir.resolve())} | description
         | {COLOUR_TAG: arch_colour(cfg.model.arch)} | dict(cfg.tracking.tags),  # a study colours by its groups
     )
@@ -209,7 +213,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         module = LMModule(cfg, schedule, data.tokenizer)
         flops = flops_per_token(module.model, cfg.data.seq_len, vocabulary.head_fraction)
 
-        logger = make_logger(cfg, run_dir, info, preset, target, resume_step)
+        logger = make_logger(cfg, run_dir, info, preset, target, resume_step, lambda: module.tokens_seen)
         if logger is not None:
             mark_model_training(logger.experiment, logger.experiment_id)
             info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
@@ -240,7 +244,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                                       f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
             trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the interval
             train_loss = trainer.callback_metrics.get("train/loss")
-            final = trainer.validate(module, datamodule=data, verbose=False)[0]
+            final = final_validation(trainer, module, data)
             final_val = float(final["val/loss"])
         except BaseException as error:
             if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
@@ -271,6 +275,14 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         if trainer.is_global_zero:
             print_summary(cfg, result)
         return result
+
+
+def final_validation(trainer: L.Trainer, module: LMModule, data: LMDataModule) -> dict[str, float]:
+    """The validation metrics of the final weights, logged once: the fit's own validation when it ran at the last
+    step (validating again would log each ``val/`` point a second time and end every curve flat), else a new one."""
+    if module.validated_at == trainer.global_step:
+        return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "recall/"))}
+    return trainer.validate(module, datamodule=data, verbose=False)[0]
 
 
 def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logger, callbacks: list,

@@ -59,8 +59,11 @@ def print_summary(cfg: ExperimentConfig, result, console: Console | None = None)
         rows += [
             ("MLflow", f"experiment '{result.experiment}', run {result.mlflow_run_id}"),
             ("tracking URI", result.tracking_uri),
-            *(open_lines(result.tracking_uri, result.view_url) if result.view_url else []),
         ]
     for row in rows:
         table.add_row(*row)
-    (console or make_console()).print(table)
+    console = console or make_console()
+    console.print(table)
+    if result.mlflow_run_id and result.view_url:  # below the table, whole on one line: a table cell would cut it
+        for label, value in open_lines(result.tracking_uri, result.view_url):
+            console.print(f"{label.strip()}: {value}", soft_wrap=True)

@@ -11,6 +11,9 @@ How, in MLflow 3's own terms (read off its UI, not guessed):
 - ``mlflow.runColor``, a run tag, is the colour the UI draws that run with (otherwise a hash of its id, where two
   runs can get near-identical shades).
 - ``compareRunsMode=CHART`` opens the chart view rather than the table.
+- ``workflowType=machine_learning`` opens the experiment in model-training mode: without it MLflow 3.17 uses the
+  mode last chosen in that browser, by default GenAI, whose sidebar (traces, judges, prompts, an assistant) takes
+  the place of the runs. The UI reads it from the route's query, on every experiment page.
 """
 
 from __future__ import annotations
@@ -51,19 +54,28 @@ def arch_colour(arch: str) -> str:
     return colour(names.index(arch)) if arch in names else colour(len(names) + sum(map(ord, arch)))
 
 
+X_AXIS = "tokens_seen"
+"""The loss curves' x-axis: runs of different batch sizes (or experiments) line up on tokens, not on steps. Every
+step a run logs at has one ``tokens_seen`` point (:mod:`satlab.training.mlflow_logger`), which is how MLflow pairs
+a metric with the metric on its x-axis."""
+
+
 def _line(key: str, section: str) -> dict:
-    """A line-chart card as the UI's ``RunsChartsLineCardConfig`` serialises it."""
+    """A line-chart card as the UI's ``RunsChartsLineCardConfig`` serialises it, against :data:`X_AXIS`."""
     return {"uuid": f"satlab-{key}", "type": "LINE", "metricSectionId": section, "deleted": False,
             "isGenerated": True, "displayName": key, "metricKey": key, "selectedMetricKeys": [key],
             "runsCountToCompare": 100, "lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear",
-            "range": {}, "xAxisKey": "step", "selectedXAxisMetricKey": "", "yAxisKey": "metric",
-            "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": True,
+            "range": {}, "xAxisKey": "metric", "selectedXAxisMetricKey": X_AXIS, "yAxisKey": "metric",
+            "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": False,
             "useGlobalLineSmoothing": True}
 
 
 def _bar(key: str, section: str) -> dict:
+    """A bar-chart card: one bar per run, its last value. Not marked ``isGenerated``: the UI turns a generated bar
+    card into a line chart as soon as a run has the metric at a step above 0 (an end-of-run result is logged at the
+    last step), which draws one dot per run."""
     return {"uuid": f"satlab-{key}", "type": "BAR", "metricSectionId": section, "deleted": False,
-            "isGenerated": True, "displayName": key, "metricKey": key, "runsCountToCompare": 100}
+            "isGenerated": False, "displayName": key, "metricKey": key, "runsCountToCompare": 100}
 
 
 def _section(uuid: str, name: str) -> dict:
@@ -141,13 +153,17 @@ def ui_address(tracking_uri: str) -> str:
     return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else UI_ADDRESS
 
 
+def ui_url(tracking_uri: str, route: str, **query: str) -> str:
+    """The UI's page ``route`` (``experiments/<id>/runs``...) in model-training mode: every URL satlab prints."""
+    return f"{ui_address(tracking_uri)}/#/{route}?{urlencode({**query, 'workflowType': 'machine_learning'})}"
+
+
 def comparison_url(tracking_uri: str, experiment_id: str, key: str) -> str:
-    query = urlencode({"compareRunsMode": "CHART", "viewStateShareKey": key})
-    return f"{ui_address(tracking_uri)}/#/experiments/{experiment_id}/runs?{query}"
+    return ui_url(tracking_uri, f"experiments/{experiment_id}/runs", compareRunsMode="CHART", viewStateShareKey=key)
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui_address(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+    return ui_url(tracking_uri, f"experiments/{experiment_id}/runs/{run_id}")
 
 
 def serve_command(tracking_uri: str) -> str | None:
