@@ -28,7 +28,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from satlab.config.errors import EXIT_NO_SPACE, ConfigError, RunStopped
 from satlab.training.checkpoint import KEY, read_checkpoint_meta
 from satlab.training.checkpoint_scan import cannot_read, load_checkpoint_file
-from satlab.training.stops import TimeLimitReached
 
 LOCK_FILE = ".lock"
 WRITING, REPLACED, REMOVED = ".tmp-", ".old-", ".removed-"
@@ -385,17 +384,15 @@ def keep_newest_steps(checkpoint_dir: Path, keep: int, resume_from: Path | None 
 
 class CheckpointOnSigterm(L.Callback):
     """Lightning stops at the end of the current batch on SIGTERM (pre-emption, `scancel`); this writes
-    ``last.ckpt`` first, so `resume=auto` continues from there. A stop for the time limit (a ``RunStopped`` raised
-    by a callback between two steps, with its state saved by the same route) is written the same way."""
+    ``last.ckpt`` first, so `resume=auto` continues from there (the time limit stops a run the same way)."""
 
     def __init__(self, checkpoint_dir: Path):
         self.checkpoint_dir = checkpoint_dir
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException | TimeLimitReached):
+        if isinstance(exception, SIGTERMException):
             path = self.checkpoint_dir / "last.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
-            if isinstance(exception, SIGTERMException):
-                print(f"satlab: SIGTERM received; checkpoint written to {path} at step {trainer.global_step}",
+            print(f"satlab: SIGTERM received; checkpoint written to {path} at step {trainer.global_step}",
                       file=sys.stderr)
 

@@ -261,16 +261,24 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
 
         throughput = ThroughputCallback(flops, schedule.tokens_per_step)
         sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
-        time_limit = TimeLimit(cfg.train.max_time_minutes, cfg.name, run_dir / "checkpoints" / "last.ckpt")
+        time_limit = TimeLimit(cfg.train.max_time_minutes)
         trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, time_limit, *callbacks], progress)
         initial_val = None
         try:
             if ckpt_path is None:
                 initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
             fit_started = time.perf_counter()
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-            fit_seconds = time.perf_counter() - fit_started
             last = run_dir / "checkpoints" / "last.ckpt"  # saved whole: weights, optimizer, loops and RNG states
+            try:
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            except SIGTERMException:
+                if not time_limit.reached:
+                    raise
+                raise TimeLimitReached(
+                    f"run '{cfg.name}' reached train.max_time_minutes={cfg.train.max_time_minutes:g} at step "
+                    f"{trainer.global_step} of {schedule.max_steps}; its state is saved in {last}: run the same "
+                    f"command to continue (exit code {TimeLimitReached.exit_code})") from None
+            fit_seconds = time.perf_counter() - fit_started
             if module.stop_reason is not None:
                 trainer.save_checkpoint(last, weights_only=False)
                 raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "

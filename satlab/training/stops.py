@@ -6,8 +6,9 @@ command into the same MLflow run, with exactly the points of a run never stopped
 
 from __future__ import annotations
 
+import os
+import signal
 import time
-from pathlib import Path
 
 import lightning as L
 
@@ -24,27 +25,27 @@ class TimeLimitReached(RunStopped):
 
 class TimeLimit(L.Callback):
     """``train.max_time_minutes``, counted per command, so a job requeued with the same limit gets further each time.
-    Checked before each training batch: past the limit, :class:`TimeLimitReached` is raised there, the state being
-    that of the step just done, as on SIGTERM between steps (:class:`CheckpointOnSigterm` writes ``last.ckpt``).
-    Lightning's own ``max_time`` is not used: it counts the time of earlier attempts (kept in the checkpoint), so a
-    resumed run would stop at once, and it stops through ``should_stop``, which runs a validation at that step that
-    a run never stopped does not have."""
+    Past the limit, rank 0 sends itself SIGTERM after the step it is in: the run then stops exactly as a pre-empted
+    one (the step's validation and checkpoint done, ``last.ckpt`` written, every rank stopped by Lightning), and
+    ``train`` reports it as :class:`TimeLimitReached`. Lightning's own ``max_time`` is not used: it counts the time
+    of earlier attempts (kept in the checkpoint), so a resumed run would stop at once, and it stops through
+    ``should_stop``, which runs a validation and the end-of-run evaluation at that step, points a run never
+    stopped does not have."""
 
-    def __init__(self, minutes: float | None, name: str, checkpoint: Path):
-        self.minutes, self.name, self.checkpoint = minutes, name, checkpoint
+    def __init__(self, minutes: float | None):
+        self.minutes = minutes
         self.started: float | None = None
+        self.reached = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.started = time.monotonic()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
-        if self.minutes is None or self.started is None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.minutes is None or self.started is None or self.reached or not trainer.is_global_zero:
             return
-        over = trainer.strategy.broadcast(time.monotonic() - self.started >= self.minutes * 60)  # rank 0 decides
-        if over and trainer.global_step < trainer.max_steps:
-            raise TimeLimitReached(f"run '{self.name}' reached train.max_time_minutes={self.minutes:g} at step "
-                                   f"{trainer.global_step} of {trainer.max_steps}; its state is saved in "
-                                   f"{self.checkpoint}: run the same command to continue (exit code {EXIT_REQUEUE})")
+        if time.monotonic() - self.started >= self.minutes * 60 and trainer.global_step < trainer.max_steps:
+            self.reached = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class AlignLoggingStep(L.Callback):
