@@ -213,4 +213,4 @@ def test_a_diverging_run_skips_non_finite_steps_then_stops_with_a_checkpoint(tmp
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     run = run_named(client, "diverge")
     assert run.info.status == "FAILED" and run.data.metrics["train/skipped_steps"] == 3
-    assert "diverged" in run.data.tags["stop_reason"]
+    assert "diverged" in run.data.tags["end_reason"] and run.data.tags["end_reason"].startswith("FAILED at step")

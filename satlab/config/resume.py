@@ -5,7 +5,8 @@ data, the optimizer or the seed would continue one experiment as another, so :fu
 changes and the run is refused (a new name starts a new run). Extending the budget (``train.max_tokens``, which
 also stretches the cosine schedule from where it is), validation and checkpoint intervals, hardware and
 parallelism, precision and compile, evaluation and tracking settings may change, and so may the implementation of
-the depth mixing (``model.mixing_impl``: the same formulas computed another way, no weight changes).
+the depth mixing (``model.mixing_impl``: the same formulas computed another way, no weight changes). Where the run
+folder lives (``train.out_dir``) is not part of the experiment: a run copied to another disk continues there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ RESUMABLE = (
     "description", "train.max_tokens", "train.max_time_minutes", "train.val_every_tokens", "train.val_tokens",
     "train.ckpt_every_tokens", "train.keep_last_k", "train.log_every_n_steps", "train.max_skipped_steps",
     "train.resume", "train.micro_batch_size", "train.precision", "train.compile", "train.accelerator",
-    "train.devices", "train.num_nodes", "train.strategy", "train.data_parallel_size",
+    "train.out_dir", "train.devices", "train.num_nodes", "train.strategy", "train.data_parallel_size",
     "train.activation_checkpointing", "train.deterministic", "data.num_workers", "data.num_proc",
     "data.prepare_per_node", "data.prepare_timeout_s", "data.cache_dir",
     "data.mqar.stop_at_acc", "model.mixing_impl", "eval.", "tracking.",

@@ -16,13 +16,12 @@ from typing import Any
 import mlflow
 import yaml
 from mlflow.entities import Param, Run
-from mlflow.exceptions import MlflowException
 from optuna.trial import FrozenTrial
 
 from satlab.studies.best import is_feasible
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec, format_value
 from satlab.studies.storage import safe_url
-from satlab.training.tracking import experiment_id, git_revision
+from satlab.training.tracking import END_TAG, experiment_id, git_revision, usable_run
 
 PARENT_TAG = "mlflow.parentRunId"
 STUDY_TAG = "optuna.study"
@@ -38,17 +37,8 @@ WOULD_PRUNE_REASON_TAG = "guard.would_prune_reason"
 FEASIBLE_TAG = "feasible"  # a finished or pruned trial's run: "true" when it met its constraints (satlab.studies.best)
 STOPPED_TAG = "trial.stopped"  # why a trial stopped before its budget (nan, pruned, gate_saturation): its run FAILED
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
-
-
-def usable_run(client: mlflow.MlflowClient, run_id: str | None) -> Run | None:
-    """None when the run does not exist or was deleted."""
-    if not run_id:
-        return None
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        return None
-    return run if run.info.lifecycle_stage == "active" else None
+INTERRUPTED = "interrupted"
+"""The reason of a trial stopped by Ctrl-C or SIGTERM to the study: its cell runs again, in the same MLflow run."""
 
 
 def create_parent_run(client: mlflow.MlflowClient, spec: StudySpec, artifact_location: str | None) -> str:
@@ -132,11 +122,15 @@ def end_run(client: mlflow.MlflowClient, run_id: str | None, status: str) -> Non
 
 
 def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name: str, trial: FrozenTrial,
-                    run_id: str | None, reason: str | None, log_file: Path | None) -> str:
+                    run_id: str | None, reason: str | None, log_file: Path | None) -> str | None:
     """Tag the trial's run (made here if the trial died before opening one) with its Optuna state, reason and
-    feasibility, attach the trial log, and end it with the matching status."""
+    feasibility, attach the trial log, and end it with the matching status. An interrupted trial's run ends KILLED,
+    and none is made for one that had not opened its run yet: the next attempt of the cell records it (no FAILED run
+    beside it)."""
     state = trial.state.name
     if usable_run(client, run_id) is None:
+        if reason == INTERRUPTED:
+            return None
         parent = client.get_run(parent_run_id)
         tags = {PARENT_TAG: parent_run_id, TRIAL_TAG: str(trial.number), STUDY_TAG: study_name}
         run_id = client.create_run(parent.info.experiment_id, run_name=f"{study_name}-t{trial.number:04d}",
@@ -147,11 +141,14 @@ def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name:
         client.set_tag(run_id, FEASIBLE_TAG, str(is_feasible(trial)).lower())
     if reason:
         client.set_tag(run_id, REASON_TAG, reason[:5000])
-    if state != "COMPLETE":  # MLflow has no "pruned" status: the runs table's stop_reason column says it
-        client.set_tag(run_id, "stop_reason", f"{state.lower()}: {reason or 'no reason recorded'}"[:5000])
+    elif REASON_TAG in client.get_run(run_id).data.tags:  # an earlier attempt's, such as "interrupted"
+        client.delete_tag(run_id, REASON_TAG)
+    if state != "COMPLETE":  # MLflow has no "pruned" status: the runs table's end_reason column says it; the
+        # training's own end (if it got that far) is already in the run's end_history
+        client.set_tag(run_id, END_TAG, f"{state.lower()}: {reason or 'no reason recorded'}"[:5000])
     if log_file is not None and log_file.exists():
         client.log_artifact(run_id, str(log_file), "trial")
-    status = RUN_STATUS.get(state, "FAILED")
+    status = "KILLED" if reason == INTERRUPTED else RUN_STATUS.get(state, "FAILED")
     if client.get_run(run_id).info.status != status:
         client.set_terminated(run_id, status)
     return run_id

@@ -30,7 +30,16 @@ from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import nest
 from satlab.studies import attrs as A
 from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
-from satlab.studies.runs import PARENT_TAG, STUDY_TAG, TRIAL_TAG, close_trial_run, end_run, read_run_id, usable_run
+from satlab.studies.runs import (
+    INTERRUPTED,
+    PARENT_TAG,
+    STUDY_TAG,
+    TRIAL_TAG,
+    close_trial_run,
+    end_run,
+    read_run_id,
+    usable_run,
+)
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.storage import trial_id
 from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
@@ -191,6 +200,8 @@ class TrialRunner:
         finally:
             self.slots.put(slot)
         values = trial_now(self.study, trial.number).user_attrs  # the trial process wrote them
+        if values.get(A.RUN_ID) is None and (run_id := read_run_id(run_dir)) is not None:
+            trial.set_user_attr(A.RUN_ID, run_id)  # opened before the trial's callback could record it
         if isinstance(self.plan, SearchPlan) and returncode in (A.EXIT_COMPLETE, A.EXIT_PRUNED):
             self.plan.record_constraint(trial, values.get(A.SATURATION))
         if returncode == A.EXIT_COMPLETE and values.get(A.VALUE) is not None:
@@ -198,7 +209,7 @@ class TrialRunner:
         if returncode == A.EXIT_PRUNED and not self.stopping.is_set():
             raise optuna.TrialPruned(values.get(A.REASON) or "pruned")
         if self.stopping.is_set():
-            reason = "interrupted"
+            reason = INTERRUPTED
         elif timed_out:
             reason = f"timeout after {self.spec.timeout_minutes:g} min"
         else:
@@ -255,7 +266,7 @@ class TrialRunner:
                             Path(log) if log else None)
         except MlflowException as e:
             self.console.print(f"[yellow]could not close the MLflow run of trial {trial.number}: {e}[/]")
-        if reason == "interrupted":
+        if reason == INTERRUPTED:
             pass  # neither finished nor failed: the next run of the command resumes it
         elif trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
             self.finished.append(point.key)
@@ -280,13 +291,15 @@ def trial_command(path: Path, devices: int, accelerator: str) -> list[str]:
 
 
 def prepare_run_dir(client: mlflow.MlflowClient, run_dir: Path) -> bool:
-    """True when the trial can resume (a checkpoint and an unfinished MLflow run); otherwise an earlier attempt's
-    leftovers are removed and a RUNNING run they name is closed as KILLED, so the trial starts clean."""
+    """True when the trial continues an earlier attempt: its folder names an unfinished MLflow run, which the
+    training reopens (from its checkpoint, or from step 0 when it was stopped before the first one), so a cell
+    interrupted and run again has one child run. Otherwise an earlier attempt's leftovers are removed and a RUNNING
+    run they name is closed as KILLED, so the trial starts clean."""
     if not run_dir.exists():
         return False
     run_id = read_run_id(run_dir)
     run = usable_run(client, run_id)
-    if (run_dir / "checkpoints" / "last.ckpt").exists() and run is not None and run.info.status != "FINISHED":
+    if run is not None and run.info.status != "FINISHED":
         return True
     end_run(client, run_id, "KILLED")
     shutil.rmtree(run_dir)

@@ -19,7 +19,9 @@ has a point, and only one (two points at one step would shift the pairs). Runs o
 different experiments, line up on that axis.
 
 The run's MLflow status is set by :meth:`close`, not by Lightning's ``finalize``, which runs after every
-``trainer.validate`` and would mark a run FINISHED by the validation before training starts.
+``trainer.validate`` and would mark a run FINISHED by the validation before training starts. A run continued in
+another process (a resume, or a restart from step 0 of a run killed before its first checkpoint) is
+:meth:`reopen`-ed: RUNNING again, with the tags of the new attempt (its folder, command, revision).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from satlab.training.tracking import record_end
 from satlab.training.tracking_buffer import BufferedClient
 
 TOKENS_SEEN = "tokens_seen"
@@ -50,6 +53,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
         self._tokens_step = -1  # the last step given its tokens_seen point (steps are logged in increasing order)
         self._mlflow_client = self.buffer = BufferedClient(self._mlflow_client, run_dir, store)
         self.resume_step = resume_step
+        self.continues = kwargs.get("run_id") is not None  # an existing MLflow run, reopened by this attempt
         self._recorded: Counter[tuple[str, int]] | None = None
 
     def _already_recorded(self) -> Counter[tuple[str, int]]:
@@ -94,10 +98,18 @@ class ResumableMLFlowLogger(MLFlowLogger):
         """Lightning's end-of-stage hook: nothing here (see :meth:`close`)."""
 
     @rank_zero_only
-    def close(self, status: str) -> None:
-        """End the MLflow run as FINISHED, FAILED or KILLED, once what an outage kept back is sent (or, if the store
-        stays down, say where it is kept)."""
-        self.experiment.set_terminated(self.run_id, status)
+    def reopen(self) -> None:
+        """Marks the existing run this logger continues RUNNING and sets this attempt's tags on it (Lightning sets
+        tags only on a run it creates): ``run_dir`` follows a run folder moved to another ``train.out_dir``."""
+        self.experiment.update_run(self.run_id, status="RUNNING")
+        for key, value in (self.tags or {}).items():
+            self.experiment.set_tag(self.run_id, key, value)
+
+    @rank_zero_only
+    def close(self, status: str, reason: str, step: int | None = None) -> None:
+        """End the MLflow run as FINISHED, FAILED or KILLED with ``reason`` (:func:`record_end`), once what an outage
+        kept back is sent (or, if the store stays down, say where it is kept)."""
+        record_end(self.experiment, self.run_id, status, reason, step)
         if not self.buffer.wait_for_store(CLOSE_WAIT_SECONDS):
             print(f"satlab: the tracking store is still down; this run's last records are kept in "
                   f"{self.buffer.spool} and are sent when the run is started again (same command, resume=auto)",

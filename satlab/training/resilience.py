@@ -384,7 +384,7 @@ def keep_newest_steps(checkpoint_dir: Path, keep: int, resume_from: Path | None 
 
 class CheckpointOnSigterm(L.Callback):
     """Lightning stops at the end of the current batch on SIGTERM (pre-emption, `scancel`); this writes
-    ``last.ckpt`` first, so `resume=auto` continues from there."""
+    ``last.ckpt`` first, so `resume=auto` continues from there (the time limit stops a run the same way)."""
 
     def __init__(self, checkpoint_dir: Path):
         self.checkpoint_dir = checkpoint_dir
@@ -394,4 +394,5 @@ class CheckpointOnSigterm(L.Callback):
             path = self.checkpoint_dir / "last.ckpt"
             trainer.save_checkpoint(path, weights_only=False)
             print(f"satlab: SIGTERM received; checkpoint written to {path} at step {trainer.global_step}",
-                  file=sys.stderr)
+                      file=sys.stderr)
+

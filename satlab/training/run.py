@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from satlab.training.resilience import (
     keep_newest_steps,
     remove_partial_checkpoints,
 )
+from satlab.training.stops import AlignLoggingStep, TimeLimit, TimeLimitReached
 from satlab.training.summary import print_summary
 from satlab.training.tracking import (
     ensure_reachable,
@@ -53,6 +55,7 @@ from satlab.training.tracking import (
     resolve_tracking,
     run_params,
     safe_uri,
+    usable_run,
 )
 from satlab.training.views import COLOUR_TAG, arch_colour, publish_family_view
 
@@ -88,13 +91,19 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
     """(run dir, checkpoint to resume from or None, saved run info). ``resume: auto`` continues ``runs/<name>``
     from its last readable checkpoint, or starts there when it has none; a run whose every checkpoint is unreadable
     is refused (they are kept as ``*.corrupt``), never silently restarted. ``never`` starts a new numbered
-    directory rather than touching an earlier run."""
+    directory rather than touching an earlier run.
+
+    The saved info (``run.json``: the MLflow run and its store) is returned whether or not there is a checkpoint: a
+    run killed before its first checkpoint starts again from step 0 in the same MLflow run, which already holds the
+    points it redoes. The folder's place is not part of the run: ``runs/<name>`` copied to another ``train.out_dir``
+    continues there, with its ``run.json``."""
     base = Path(cfg.train.out_dir) / cfg.name
     if cfg.train.resume == "auto":
+        info_path = base / RUN_INFO
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
         resume_from = find_resume_checkpoint(base / "checkpoints")
         if resume_from is not None:
-            info_path = base / RUN_INFO
-            return base, resume_from, json.loads(info_path.read_text()) if info_path.exists() else {}
+            return base, resume_from, info
         # what is left under a checkpoint's name now is unusable: files renamed *.corrupt, directories left as they are
         unusable = sorted(p.name for p in (base / "checkpoints").glob("*") if not p.name.startswith(".")
                           and p.name.endswith((".corrupt", ".ckpt")))
@@ -103,7 +112,7 @@ def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
                 f"run '{cfg.name}' cannot resume: every checkpoint in {base / 'checkpoints'} is unreadable or "
                 f"incomplete ({', '.join(unusable)}). Nothing was changed: to start it over, remove the folder {base} "
                 "(its MLflow run stays as it is), or train under another name (name=...)")
-        return base, None, {}
+        return base, None, info
     run_dir, n = base, 1
     while (run_dir / "checkpoints").exists():
         n += 1
@@ -122,18 +131,38 @@ def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None]
                             cfg.tracking.artifact_dir), artifacts
 
 
+def refuse_other_settings(cfg: ExperimentConfig, saved_yaml: str, where: str) -> None:
+    """Raises ConfigError when ``cfg`` differs from the config a run was started with (``saved_yaml``, from ``where``)
+    in a setting a resume may not change (``config.resume``)."""
+    changes = resume_problems(config_from_yaml(saved_yaml), cfg)
+    if changes:
+        raise ConfigError(
+            f"run '{cfg.name}' has {where} made with other settings, and resuming it would "
+            f"continue one experiment as another: {'; '.join(changes)}. Nothing of that run was changed. Start a new "
+            "run under another name (name=...) or with train.resume=never; a resume may change only "
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}")
+
+
+def restart_step(run_dir: Path, ckpt_path: Path | None, info: dict, cfg: ExperimentConfig, tokenizer) -> int | None:
+    """The step a continued run's MLflow history is redone from: the checkpoint's (checked by
+    :func:`check_resumable`), 0 for a run that recorded itself but was stopped before its first checkpoint (its
+    config checked against the ``config.yaml`` it wrote), None for a new run."""
+    if ckpt_path is not None:
+        return check_resumable(ckpt_path, cfg, tokenizer)
+    if not info.get("mlflow_run_id"):
+        return None
+    saved = run_dir / "config.yaml"
+    if saved.exists():
+        refuse_other_settings(cfg, saved.read_text(), f"a config ({saved}) but no checkpoint yet,")
+    return 0
+
+
 def check_resumable(ckpt_path: Path, cfg: ExperimentConfig, tokenizer) -> int:
     """The checkpoint's global step, once checked: a run resumes only with the config it was started with, but for
     what may change (``config.resume``), and with the same tokenizer (else its embeddings would mean other
     tokens), and a sharded checkpoint only with the strategy that reads its layout."""
     state = read_checkpoint_meta(ckpt_path)
-    changes = resume_problems(config_from_yaml(state[CHECKPOINT_KEY]["config"]), cfg)
-    if changes:
-        raise ConfigError(
-            f"run '{cfg.name}' has a checkpoint ({ckpt_path}) made with other settings, and resuming it would "
-            f"continue one experiment as another: {'; '.join(changes)}. Nothing of that run was changed. Start a new "
-            "run under another name (name=...) or with train.resume=never; a resume may change only "
-            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}")
+    refuse_other_settings(cfg, state[CHECKPOINT_KEY]["config"], f"a checkpoint ({ckpt_path})")
     saved = TextTokenizer.from_dict(state[CHECKPOINT_KEY]["tokenizer"])
     if saved.fingerprint != tokenizer.fingerprint:
         raise ConfigError(
@@ -164,13 +193,19 @@ def make_logger(cfg: ExperimentConfig, run_dir: Path, info: dict, preset: str,
     name = cfg.tracking.experiment or experiment_family(preset) or cfg.name
     import mlflow
 
-    experiment_id(mlflow.MlflowClient(open_store(uri)), name, artifacts)  # made here: two runs of a family race
+    client = mlflow.MlflowClient(open_store(uri))
+    experiment_id(client, name, artifacts)  # made here: two runs of a family race
+    run_id = info.get("mlflow_run_id")
+    if run_id and usable_run(client, run_id) is None:
+        print(f"satlab: the MLflow run {run_id} named in {run_dir / RUN_INFO} is not in {safe_uri(uri)} (deleted?); "
+              "this run is recorded in a new one", file=sys.stderr)
+        run_id, resume_step = None, None
     return ResumableMLFlowLogger(
         experiment_name=name,
         run_name=cfg.tracking.run_name or cfg.name,
         tracking_uri=open_store(uri),
         artifact_location=artifacts,
-        run_id=info.get("mlflow_run_id"),
+        run_id=run_id,
         resume_step=resume_step,
         run_dir=run_dir,
         store=safe_uri(uri),
@@ -198,9 +233,10 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     data = LMDataModule(cfg, progress=progress)
     vocabulary = model_vocabulary(cfg, data.tokenizer)  # what the dry run derives, from the prepared tokenizer
     cfg = vocabulary.sized(cfg)
-    resume_step = None if ckpt_path is None else check_resumable(ckpt_path, cfg, data.tokenizer)
+    resume_step = restart_step(run_dir, ckpt_path, info, cfg, data.tokenizer)
     if ckpt_path is not None:
         warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
+        warnings.filterwarnings("ignore", message="The dirpath has changed")  # a run folder moved: keep_newest_steps
     with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext(), library_chatter_to(run_dir):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
@@ -216,10 +252,12 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         logger = make_logger(cfg, run_dir, info, preset, target, resume_step, lambda: module.tokens_seen)
         if logger is not None:
             mark_model_training(logger.experiment, logger.experiment_id)
+            if logger.continues:
+                logger.reopen()
             info = {"mlflow_run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
                     "experiment": logger._experiment_name}
             (run_dir / RUN_INFO).write_text(json.dumps(info, indent=2))
-            if ckpt_path is None:
+            if not (logger.continues and logger.experiment.get_run(logger.run_id).data.params):
                 logger.log_hyperparams(run_params(cfg) | {"derived." + k: v for k, v in schedule.as_dict().items()}
                                        | {"model.params": count_params(module.model),
                                           "model.non_embedding_params": non_embedding_params(module.model),
@@ -229,15 +267,24 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
 
         throughput = ThroughputCallback(flops, schedule.tokens_per_step)
         sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
-        trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, *callbacks], progress)
+        time_limit = TimeLimit(cfg.train.max_time_minutes)
+        trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, time_limit, *callbacks], progress)
         initial_val = None
         try:
             if ckpt_path is None:
                 initial_val = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
             fit_started = time.perf_counter()
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-            fit_seconds = time.perf_counter() - fit_started
             last = run_dir / "checkpoints" / "last.ckpt"  # saved whole: weights, optimizer, loops and RNG states
+            try:
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            except SIGTERMException:
+                if not time_limit.reached:
+                    raise
+                raise TimeLimitReached(
+                    f"run '{cfg.name}' reached train.max_time_minutes={cfg.train.max_time_minutes:g} at step "
+                    f"{trainer.global_step} of {schedule.max_steps}; its state is saved in {last}: run the same "
+                    f"command to continue (exit code {TimeLimitReached.exit_code})") from None
+            fit_seconds = time.perf_counter() - fit_started
             if module.stop_reason is not None:
                 trainer.save_checkpoint(last, weights_only=False)
                 raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
@@ -248,8 +295,9 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             final_val = float(final["val/loss"])
         except BaseException as error:
             if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
-                logger.experiment.set_tag(logger.run_id, "stop_reason", f"{type(error).__name__}: {error}"[:5000])
-                logger.close("KILLED" if isinstance(error, (KeyboardInterrupt, SIGTERMException)) else "FAILED")
+                stopped = isinstance(error, (KeyboardInterrupt, SIGTERMException, TimeLimitReached))
+                logger.close("KILLED" if stopped else "FAILED", f"{type(error).__name__}: {error}".rstrip(": "),
+                             trainer.global_step)
             raise
         result = RunResult(
             run_dir=run_dir,
@@ -271,7 +319,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                               None),
         )
         if logger is not None:
-            logger.close("FINISHED")
+            logger.close("FINISHED", f"trained {result.tokens:,} tokens", trainer.global_step)
         if trainer.is_global_zero:
             print_summary(cfg, result)
         return result
@@ -299,7 +347,7 @@ def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logge
         mode="max",
         save_last=True,
     )
-    callbacks = [checkpoint, *callbacks] + ([RichProgressBar(leave=True)] if progress else [])
+    callbacks = [checkpoint, AlignLoggingStep(), *callbacks] + ([RichProgressBar(leave=True)] if progress else [])
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -315,7 +363,6 @@ def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logge
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps,
         deterministic=t.deterministic,
-        max_time={"minutes": t.max_time_minutes} if t.max_time_minutes else None,
         logger=logger if logger is not None else False,
         callbacks=callbacks,
         enable_progress_bar=progress,

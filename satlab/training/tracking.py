@@ -177,6 +177,19 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 """MLflow 3's UI opens an experiment without this tag on its GenAI overview; with it, on the runs table."""
 
 
+def usable_run(client: mlflow.MlflowClient, run_id: str | None) -> mlflow.entities.Run | None:
+    """The MLflow run ``run_id``; None when there is none, or it does not exist or was deleted."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
+
+
 def mark_model_training(client: mlflow.MlflowClient, experiment_id: str) -> None:
     client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
 
@@ -235,3 +248,26 @@ def provenance_tags(arch: str, preset: str) -> dict[str, str]:
         "device_count": str(max(torch.cuda.device_count(), 1)),
         "command": " ".join(sys.argv),
     }
+
+
+END_TAG = "end_reason"
+"""How the run's latest attempt ended (``FINISHED: ...``, ``KILLED at step 20: SIGTERMException``, ...): replaced at
+every end, so a run that finishes after a pre-emption says it finished."""
+END_HISTORY_TAG = "end_history"
+"""Every end of the run, one line each, oldest first (the last 5,000 characters): the pre-emptions, failures and
+time limits a finished run went through."""
+
+
+def record_end(client: mlflow.MlflowClient, run_id: str, status: str, reason: str, step: int | None = None) -> None:
+    """Ends the run as ``status`` (FINISHED, FAILED or KILLED) with ``reason``: :data:`END_TAG` is replaced and the
+    line appended to :data:`END_HISTORY_TAG`. When the store cannot be read (an outage; the writes wait in the run
+    folder), the history is left as it is rather than overwritten."""
+    line = f"{status}{'' if step is None else f' at step {step}'}: {reason}"[:2000]
+    try:
+        before = client.get_run(run_id).data.tags.get(END_HISTORY_TAG)
+    except Exception:  # noqa: BLE001 - any failure to read: the history is left alone
+        pass
+    else:
+        client.set_tag(run_id, END_HISTORY_TAG, "\n".join([*(before or "").splitlines(), line])[-5000:])
+    client.set_tag(run_id, END_TAG, line)
+    client.set_terminated(run_id, status)

@@ -82,7 +82,7 @@ class BufferedClient:
     """An ``MlflowClient`` whose writes survive an outage of the store (see the module docstring)."""
 
     WRITES = frozenset({"log_batch", "log_metric", "log_param", "set_tag", "set_terminated", "set_experiment_tag",
-                        "log_text", "log_dict", "log_table", "log_artifact", "log_figure"})
+                        "log_text", "log_dict", "log_table", "log_artifact", "log_figure", "update_run"})
 
     def __init__(self, client: Any, run_dir: Path, describe_store: str,
                  clock: Callable[[], float] = time.monotonic):
