@@ -204,7 +204,7 @@ class Segment:
             except ConnectionError as e:
                 raise _offline_error(self.source.name, e) from e
             except read_errors() as e:
-                raise read_error(self.source, self.text_field, e) from e
+                raise _read_error(self.source, self.text_field, e) from e
             if table is None:
                 return
             if self.text_field not in table.column_names:
@@ -239,7 +239,7 @@ def _not_text(source: Source, text_field: str, column: pa.ChunkedArray) -> Confi
         f"{excerpt(repr(first))}); it must name a field that holds text (a string).")
 
 
-def read_error(source: Source, text_field: str, error: BaseException) -> ConfigError:
+def _read_error(source: Source, text_field: str, error: BaseException) -> ConfigError:
     """One paragraph for a source that cannot be read: the first file that is not UTF-8 text or the first bad
     line of a JSON-lines file when one is found, else the reader's own words (cut to a readable length)."""
     if isinstance(error, ConfigError):
@@ -297,7 +297,7 @@ def document_segments(source: Source, cfg: DataConfig,
             with quiet_readers():
                 stream = load_stream(fmt, data_files=[str(p) for p in paths], split="train", **extra)
         except read_errors() as e:
-            raise read_error(source, text_field, e) from e
+            raise _read_error(source, text_field, e) from e
         segments.append(Segment(source, f"{fmt} files", stream, text_field))
     rows = None if None in counts else sum(counts)
     if first_use is not None:
