@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup train test test-full lint archs bench gpu-check wheelhouse ui sweep dashboard clean
+.PHONY: help setup train test test-random test-full lint archs bench gpu-check wheelhouse ui sweep dashboard clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -47,6 +47,10 @@ train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS=
 
 test: $(STAMP) ## run the fast test suite (what CI runs), one pytest process per core: make test [TEST_WORKERS=n]
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+
+SEED ?= $(shell date +%s)
+test-random: $(STAMP) ## the fast suite in a shuffled order (pytest-randomly): make test-random [SEED=n] repeats an order
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -p randomly --randomly-seed=$(SEED)
 
 test-full: $(STAMP) ## run every test, slow ones included
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m ''

@@ -6,6 +6,13 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# Lightning and datasets give their loggers a StreamHandler on the sys.stderr of the moment they are imported. Were
+# that inside a test using capsys, the handler would keep that test's capture, closed when it ends, and every later
+# test of the process would print "--- Logging error ---" tracebacks (a test passing alone and failing after another
+# in one process). Imported here, they write to the session's stderr.
+import datasets  # noqa: E402, F401
+import lightning.pytorch  # noqa: E402, F401
+
 
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests that start processes (marked ``process``: trial workers, ranks, servers, kills) run first, in their

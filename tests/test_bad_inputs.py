@@ -533,16 +533,19 @@ def test_a_data_problem_is_one_clear_error_and_writes_nothing(case, tmp_path, ca
 @pytest.mark.process
 def test_overrides_are_accepted_before_and_after_flags(monkeypatch):
     import argparse
+    import importlib
+    from types import SimpleNamespace
 
     from satlab.cli import main as cli
 
     seen: list[argparse.Namespace] = []
-    real = cli.importlib.import_module
+    real = importlib.import_module
 
     def declared_only(name: str) -> argparse.Namespace:  # the commands' arguments, but record instead of running
         return argparse.Namespace(add_arguments=getattr(real(name), "add_arguments", None), run=seen.append)
 
-    monkeypatch.setattr(cli.importlib, "import_module", declared_only)
+    # the CLI's own name for importlib only: the process's importlib.import_module stays (other code imports with it)
+    monkeypatch.setattr(cli, "importlib", SimpleNamespace(import_module=declared_only))
     cli.main(["sweep", "lr_tiny", "n_trials=2", "--workers", "1", "space.optim.lr.high=1e-2", "--n-trials", "3"])
     assert seen[0].overrides == ["n_trials=2", "space.optim.lr.high=1e-2"] and seen[0].workers == 1
     cli.main(["ablate", "arch_tiny", "--workers", "2", "train.max_tokens=1e5"])

@@ -104,6 +104,32 @@ def assert_same_logits(model, reference, atol=1e-6):
     assert (actual - expected).abs().max().item() <= atol
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_no_block_returns_a_view(variant):
+    """FSDP2 shards every block and warns when one returns a view (an in-place op on it would skip the all-gather
+    before backward): whatever leaves a block (output, V_1, gates) is a tensor of its own. FSDP2 passes a block its
+    inputs as views of themselves, as the pre-hook here does, so a block that hands back an input fails too."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    model = make(variant)
+    views = []
+
+    def as_fsdp2_passes_them(block, args, kwargs):
+        def view(t):
+            return t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+        return tree_map(view, args), tree_map(view, kwargs)
+
+    def check(block, args, kwargs, output):
+        views.extend(f"block {block.layer_idx}: {tuple(t.shape)}" for t in tree_leaves(output)
+                     if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None)
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(as_fsdp2_passes_them, with_kwargs=True)
+        block.register_forward_hook(check, with_kwargs=True)
+    model(tokens(), return_gates=True)
+    assert not views, views
+
+
 @pytest.mark.parametrize("granularity", ["token", "token_head", "token_channel"])
 def test_satformer_with_zero_gate_weights_is_transformer(granularity):
     reference = perturbed_transformer()

@@ -59,7 +59,8 @@ GATE_FUNCTIONS: dict[str, GateFunction] = {
     "relu": GateFunction(lambda x: x.relu(), lambda heads: (0.0,), "dead"),
     "sigmoid": GateFunction(lambda x: x.sigmoid(), lambda heads: (0.0, 1.0), "pinned"),
     "tanh": GateFunction(lambda x: x.tanh(), lambda heads: (-1.0, 1.0), "pinned"),
-    "identity": GateFunction(lambda x: x, lambda heads: (), "never"),
+    # a copy, not the logits' view: gates leave a model's blocks, which FSDP2 wants free of views
+    "identity": GateFunction(lambda x: x.clone(), lambda heads: (), "never"),
     "softmax": GateFunction(_softmax, lambda heads: (0.0, float(heads)), "pinned"),
     "softmax_sigmoid": GateFunction(lambda x: _softmax(x) * x.sigmoid(), lambda heads: (0.0, float(heads)), "pinned"),
     # modded-nanogpt's VE gate

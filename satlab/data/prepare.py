@@ -26,14 +26,13 @@ import fcntl
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from satlab.config.errors import ConfigError
 from satlab.config.schema import DataConfig
 from satlab.data.common import META_FILE, SPLITS, read_json, require_nonempty_splits, stable_hash, write_json
 from satlab.data.packing import PROGRESS_FILE, default_num_proc, open_tokens, pack_documents, split_path, token_dtype
@@ -113,18 +112,71 @@ def find_prepared(data_cfg: DataConfig) -> PreparedData | None:
 
 @contextmanager
 def _exclusive(lock_path: Path, say: Any) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_path`` (two processes preparing one cache entry take turns)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a+") as f:
+    """Hold an exclusive lock on ``lock_path`` (two processes preparing one cache entry take turns).
+
+    The lock file exists only while a process holds it or waits for it: the holder removes it before it lets go,
+    and a waiter that then gets the lock of a file no longer at ``lock_path`` opens the path again (the next
+    holder's file), so two processes never hold "the" lock at once and a failed preparation leaves no lock behind.
+    """
+    told = False
+    while True:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"another process is preparing {lock_path.parent / lock_path.stem.lstrip('.')}; waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
+            f = open(lock_path, "a+")  # noqa: SIM115 (closed below, or after the block)
+        except FileNotFoundError:  # a failed preparation removed the empty folder just now
+            continue
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not told:
+                    say(f"another process is preparing {lock_path.parent / lock_path.stem.lstrip('.')}; waiting "
+                        "for it")
+                    told = True
+                fcntl.flock(f, fcntl.LOCK_EX)
+            if _same_file(f, lock_path):
+                break
+        except BaseException:
+            f.close()
+            raise
+        f.close()  # the previous holder removed this file as it finished: take the lock of the one there now
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def _same_file(f: Any, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+@contextmanager
+def _undone_on_failure(cache_dir: Path, work: Path, lock: Path, say: Any) -> Iterator[None]:
+    """Hold the lock of ``work``'s entry; on a failure inside the block, leave the cache as it was: the work folder
+    goes when this call made it (a Ctrl-C keeps one that holds committed, resumable work), and so do the folders
+    made for it when left empty. A work folder of an earlier, killed preparation stays: its committed work is still
+    valid. The work folder is removed before the lock is let go, so no other preparer is working in it."""
+    made = [d for d in (cache_dir, cache_dir / "tokens") if not d.exists()]
+    try:
+        with _exclusive(lock, say):
+            fresh = not work.exists()
+            try:
+                yield
+            except BaseException as error:
+                resumable = (work / PROGRESS_FILE).exists() and not isinstance(error, Exception)
+                if fresh and not resumable:
+                    shutil.rmtree(work, ignore_errors=True)
+                raise
+    except BaseException:
+        for folder in reversed(made):
+            with suppress(OSError):  # not empty: it holds something else now
+                folder.rmdir()
+        raise
 
 
 def _mix(work: Path, tokenizer: TextTokenizer, dtype: str, data_cfg: DataConfig, progress: bool) -> dict[str, Any]:
@@ -176,39 +228,41 @@ def prepare_data(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     target = _tokens_dir(data_cfg, source, tokenizer)
     work = target.with_name(f".{target.name}.partial")
     lock = target.with_name(f".{target.name}.lock")
-    with _exclusive(lock, print if progress else lambda _: None):
+    with _undone_on_failure(Path(cache_dir), work, lock, print if progress else lambda _: None):
         meta = read_json(target / META_FILE)
-        if meta is not None:  # another process prepared it while this one waited for the lock
-            return PreparedData.from_directory(target, meta, tokenizer)
-        work.mkdir(parents=True, exist_ok=True)
-        packed = pack_documents(segments, tokenizer, work, data_cfg.num_proc or default_num_proc(),
-                                data_cfg.val_fraction, total_rows, progress)
-        try:
-            require_nonempty_splits({**packed, "split_rule": source.identity["split_rule"]}, source.description)
-        except ConfigError:  # a source that cannot be used leaves nothing behind (any other preparer fails alike)
-            shutil.rmtree(work, ignore_errors=True)
-            lock.unlink(missing_ok=True)
-            raise
-        mix = {}
-        if data_cfg.mix:
-            mix = {"mix": _mix(work, tokenizer, packed["dtype"], data_cfg, progress)}
-            packed["tokens"]["train"] = sum(mix["mix"]["tokens"].values())
-        meta = {
-            "key": target.name,
-            "format_version": TOKENS_VERSION,
-            "source": {"kind": source.kind, "name": source.name, "description": source.description,
-                       "identity": source.identity},
-            "split_rule": source.identity["split_rule"],
-            **packed,
-            **mix,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
-            **{k: source_meta[k] for k in COPIED_SOURCE_META if k in source_meta},
-        }
-        tokenizer.save(work / TOKENIZER_DIR)
-        (work / PROGRESS_FILE).unlink(missing_ok=True)
-        (work / MIX_FILE).unlink(missing_ok=True)
-        write_json(work / META_FILE, meta)
-        os.rename(work, target)
+        if meta is None:  # else another process prepared it while this one waited for the lock
+            meta = _pack(work, target, segments, total_rows, source, source_meta, tokenizer, data_cfg, progress)
     return PreparedData.from_directory(target, meta, tokenizer)
+
+
+def _pack(work: Path, target: Path, segments: list[Segment], total_rows: int | None, source: Source,
+          source_meta: dict[str, Any], tokenizer: TextTokenizer, data_cfg: DataConfig, progress: bool,
+          ) -> dict[str, Any]:
+    """Tokenize (and mix) into ``work``, write the metadata and rename it to ``target``; returns the metadata."""
+    work.mkdir(parents=True, exist_ok=True)
+    packed = pack_documents(segments, tokenizer, work, data_cfg.num_proc or default_num_proc(),
+                            data_cfg.val_fraction, total_rows, progress)
+    require_nonempty_splits({**packed, "split_rule": source.identity["split_rule"]}, source.description)
+    mix = {}
+    if data_cfg.mix:
+        mix = {"mix": _mix(work, tokenizer, packed["dtype"], data_cfg, progress)}
+        packed["tokens"]["train"] = sum(mix["mix"]["tokens"].values())
+    meta = {
+        "key": target.name,
+        "format_version": TOKENS_VERSION,
+        "source": {"kind": source.kind, "name": source.name, "description": source.description,
+                   "identity": source.identity},
+        "split_rule": source.identity["split_rule"],
+        **packed,
+        **mix,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
+        **{k: source_meta[k] for k in COPIED_SOURCE_META if k in source_meta},
+    }
+    tokenizer.save(work / TOKENIZER_DIR)
+    (work / PROGRESS_FILE).unlink(missing_ok=True)
+    (work / MIX_FILE).unlink(missing_ok=True)
+    write_json(work / META_FILE, meta)
+    os.rename(work, target)
+    return meta

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from satlab.config.errors import ConfigError, did_you_mean, shown, unknown_name
 from satlab.config.schema import SOURCE_KINDS, DataConfig
@@ -31,14 +30,21 @@ from satlab.data.common import (
     stable_hash,
 )
 from satlab.data.corpora import CORPORA, corpus_identity, ensure_corpus
+from satlab.data.files import (
+    COMPRESSIONS,
+    FILE_FORMATS,
+    excerpt,
+    file_fields,
+    file_format,
+    file_rows,
+    is_empty,
+    json_line_problem,
+    quiet_readers,
+    read_errors,
+)
 
 if TYPE_CHECKING:
     import datasets
-
-FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-                ".parquet": "parquet"}
-COMPRESSIONS = {".gz", ".bz2", ".xz", ".zst"}
-
 
 @dataclass
 class Source:
@@ -51,18 +57,11 @@ class Source:
     files: list[Path] = field(default_factory=list)
 
 
-def _file_format(path: Path) -> str | None:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSIONS:
-        suffixes.pop()
-    return FILE_FORMATS.get(suffixes[-1]) if suffixes else None
-
-
 def _looks_like_path(source: str) -> bool:
     return (
         source.startswith((".", "/", "~"))
         or any(c in source for c in "*?[")
-        or _file_format(Path(source)) is not None
+        or file_format(Path(source)) is not None
     )
 
 
@@ -79,10 +78,10 @@ def _find_files(source: str) -> list[Path]:
 
 def _files_source(source: str, files: list[Path], text_field: str, rule: str) -> Source:
     supported = ", ".join(sorted(FILE_FORMATS) + [f"+{c}" for c in sorted(COMPRESSIONS)])
-    unknown = [p for p in files if _file_format(p) is None]
+    unknown = [p for p in files if file_format(p) is None]
     if len(files) == 1 and unknown:
         raise ConfigError(f"data.source '{source}' has an unsupported file type; supported: {supported}.")
-    files = [p for p in files if _file_format(p) is not None]
+    files = [p for p in files if file_format(p) is not None]
     if not files:
         raise ConfigError(f"data.source '{source}' holds no text, jsonl or parquet files; supported: {supported}.")
     root = Path(os.path.commonpath([p.resolve().parent for p in files]))
@@ -140,7 +139,7 @@ def _offline_error(name: str, error: BaseException) -> ConfigError:
 def _first_undecodable(source: Source) -> ConfigError | None:
     """The first text file of a files source that is not UTF-8, named with the offending byte offset."""
     for path in source.files if source.kind == "files" else ():
-        if _file_format(path) != "text":
+        if file_format(path) != "text":
             continue
         try:
             path.read_bytes().decode("utf-8")
@@ -194,39 +193,64 @@ class Segment:
         self.stream = self.stream.with_format("arrow")  # Arrow batches: ~5x the rows per second of Python rows
 
     def batches(self, size: int) -> Iterator[list[str | None]]:
-        """The texts of ``size`` rows at a time (the last batch may be shorter; a non-string value as is), with
-        read failures as ConfigErrors naming the source and a missing text field named with the fields there are."""
-        from datasets.exceptions import DatasetGenerationError
+        """The texts of ``size`` rows at a time (the last batch may be shorter; a null value as is), with read
+        failures as one-paragraph ConfigErrors naming the file (and line) at fault, a missing text field named with
+        the fields there are, and a text field that does not hold text refused."""
+        tables = iter(self.stream.iter(batch_size=size))
+        while True:
+            try:
+                with quiet_readers():
+                    table = next(tables, None)
+            except ConnectionError as e:
+                raise _offline_error(self.source.name, e) from e
+            except read_errors() as e:
+                raise _read_error(self.source, self.text_field, e) from e
+            if table is None:
+                return
+            if self.text_field not in table.column_names:
+                raise _missing_field(self.source, self.label, self.text_field, table.column_names)
+            column = table.column(self.text_field)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+                    or pa.types.is_null(column.type)):
+                raise _not_text(self.source, self.text_field, column)
+            yield column.to_pylist()
 
-        try:
-            for table in self.stream.iter(batch_size=size):
-                if self.text_field not in table.column_names:
-                    raise ConfigError(
-                        f"the rows of {self.source.description} ({self.label}) have no field data.text_field="
-                        f"'{self.text_field}'{did_you_mean(self.text_field, table.column_names)}; fields: "
-                        f"{', '.join(sorted(table.column_names))}."
-                    )
-                yield table.column(self.text_field).to_pylist()
-        except ConnectionError as e:
-            raise _offline_error(self.source.name, e) from e
-        except (OSError, ValueError, pa.ArrowException, DatasetGenerationError) as e:
-            undecodable = _first_undecodable(self.source)
-            raise (undecodable or ConfigError(f"could not read {self.source.description}: {type(e).__name__}: {e}")
-                   ) from e
+
+def _missing_field(source: Source, label: str, text_field: str, fields: list[str]) -> ConfigError:
+    """A missing text field, named with the first file that lacks it (local files) and the fields it has."""
+    where = f"the rows of {source.description} ({label})"
+    for path in source.files:
+        found = file_fields(path)
+        if found is not None and text_field not in found:
+            where, fields = f"the rows of {path}", found
+            break
+    return ConfigError(
+        f"{where} have no field data.text_field='{text_field}'{did_you_mean(text_field, fields)}; their fields: "
+        f"{excerpt(', '.join(sorted(fields)), 300)}. Set data.text_field to the field that holds the text.")
 
 
-def _file_rows(path: Path) -> int | None:
-    """The number of rows of one file when it is cheap to know (parquet metadata, a newline count, one text
-    document); None for compressed files."""
-    fmt = _file_format(path)
-    if path.suffix.lower() in COMPRESSIONS:
-        return None
-    if fmt == "parquet":
-        return pq.ParquetFile(path).metadata.num_rows
-    if fmt == "text":
-        return 1
-    with open(path, "rb") as f:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+def _not_text(source: Source, text_field: str, column: pa.ChunkedArray) -> ConfigError:
+    for path in source.files:
+        if file_format(path) == "json" and (problem := json_line_problem(path, text_field)):
+            return ConfigError(f"{problem}. data.text_field must name a field that holds text (a string).")
+    first = next((v for v in column.to_pylist() if v is not None), None)
+    return ConfigError(
+        f"data.text_field='{text_field}' of {source.description} holds {column.type} values, not text (for example "
+        f"{excerpt(repr(first))}); it must name a field that holds text (a string).")
+
+
+def _read_error(source: Source, text_field: str, error: BaseException) -> ConfigError:
+    """One paragraph for a source that cannot be read: the first file that is not UTF-8 text or the first bad
+    line of a JSON-lines file when one is found, else the reader's own words (cut to a readable length)."""
+    if isinstance(error, ConfigError):
+        return error
+    if (undecodable := _first_undecodable(source)) is not None:
+        return undecodable
+    for path in source.files:
+        if file_format(path) == "json" and (problem := json_line_problem(path, text_field)):
+            return ConfigError(f"{problem}. Each line of a .jsonl file must be one JSON object with a "
+                               f"'{text_field}' text field (data.text_field); fix or remove that line.")
+    return ConfigError(f"could not read {source.description}: {type(error).__name__}: {excerpt(str(error), 300)}")
 
 
 def document_segments(source: Source, cfg: DataConfig,
@@ -258,12 +282,23 @@ def document_segments(source: Source, cfg: DataConfig,
         if first_use is not None:
             first_use(segments, rows)
         return segments, rows, {}
-    segments, counts = [], [_file_rows(p) for p in source.files]
-    for fmt in sorted({_file_format(p) for p in source.files}):
-        paths = [str(p) for p in source.files if _file_format(p) == fmt]
+    files = [p for p in source.files if not is_empty(p)]  # no documents, and the json reader fails on them
+    if not files:
+        which = f"{source.files[0]} is" if len(source.files) == 1 else f"all {len(source.files)} files of it are"
+        raise ConfigError(f"data.source '{source.name}' has no documents: {which} empty. Give a text/jsonl/parquet "
+                          "file with at least one document, a folder of them or a glob.")
+    segments, counts = [], []
+    for fmt in sorted({file_format(p) for p in files}):
+        paths = [p for p in files if file_format(p) == fmt]
         extra = {"sample_by": "document"} if fmt == "text" else {}
-        stream = load_stream(fmt, data_files=paths, split="train", **extra)
-        segments.append(Segment(source, f"{fmt} files", stream, "text" if fmt == "text" else cfg.text_field))
+        text_field = "text" if fmt == "text" else cfg.text_field
+        try:
+            counts += [file_rows(p) for p in paths]
+            with quiet_readers():
+                stream = load_stream(fmt, data_files=[str(p) for p in paths], split="train", **extra)
+        except read_errors() as e:
+            raise _read_error(source, text_field, e) from e
+        segments.append(Segment(source, f"{fmt} files", stream, text_field))
     rows = None if None in counts else sum(counts)
     if first_use is not None:
         first_use(segments, rows)

@@ -177,7 +177,7 @@ class SwiGLU(nn.Module):
 
 class AttentionOutput(NamedTuple):
     out: Tensor
-    v1: Tensor  # layer 0's raw values, handed on to later layers
+    v1: Tensor | None  # layer 0's raw values (B, T, n_kv_heads * head_dim) from layer 0, None from later layers
     gate: Tensor | None  # this layer's gate values (B, T, G, C), when its value path has a gate
 
 
@@ -187,6 +187,11 @@ class Attention(nn.Module):
     The first layer to attend (``v1`` is None: layer 0) records its raw value projection as V_1. A layer with a
     ``value_path`` forms ``V'_n = value_path(V_n, V_1, h_n, v1_weight, tokens)`` before attending; V'_n is what goes
     into the KV cache.
+
+    A block sharded by FSDP2 must not return a view (FSDP2 warns that an in-place op on one would skip its
+    pre-backward hook), and FSDP2 hands a block its tensor inputs as views of themselves. So layer 0 hands V_1 on as
+    the projection's own output, (B, T, n_kv_heads * head_dim), viewed per head where it is used, and later layers
+    return None in its place instead of their V_1 input (the depth loop keeps layer 0's).
     """
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None):
@@ -216,12 +221,13 @@ class Attention(nn.Module):
         B, T, _ = hq.shape
         q = self.q_proj(hq).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(hk).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(hv).view(B, T, self.n_kv_heads, self.head_dim)
-        gate = None
+        projected = self.v_proj(hv)
+        v = projected.view(B, T, self.n_kv_heads, self.head_dim)
+        gate, first_v1 = None, None
         if v1 is None:  # layer 0, the first to attend: its values are V_1. The role comes in as data (None or a
-            v1 = v      # tensor), not from layer_idx: dynamo specialises on module ints, one graph per layer
+            v1 = first_v1 = projected  # tensor), not from layer_idx: dynamo specialises on module ints
         if self.value_path is not None:
-            v, gate = self.value_path(v, v1, hq, v1_weight, tokens)
+            v, gate = self.value_path(v, v1.view(B, T, self.n_kv_heads, self.head_dim), hq, v1_weight, tokens)
         cos, sin = rope
         q = apply_rotary(self.q_norm(q), cos, sin).transpose(1, 2)
         k = apply_rotary(self.k_norm(k), cos, sin).transpose(1, 2)
@@ -240,7 +246,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return AttentionOutput(self.o_proj(y), v1, gate)
+        return AttentionOutput(self.o_proj(y), first_v1, gate)
 
 
 class Block(nn.Module):
@@ -281,9 +287,9 @@ class Block(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, v1: Tensor | None = None,
                 v1_weight: Tensor | None = None, cache: LayerKVCache | None = None, tokens: Tensor | None = None,
                 xk: Tensor | None = None, xv: Tensor | None = None, part: str = "block"):
-        """``part="block"``: (x + attention, then + MLP; V_1; gate). ``"attend"``: the attention sublayer of x (and
-        of ``xk``, ``xv`` when the keys and values have inputs of their own), norm included. ``"feedforward"``: the
-        MLP sublayer of x, norm included."""
+        """``part="block"``: (x + attention, then + MLP; V_1 from layer 0, else None; gate). ``"attend"``: the
+        attention sublayer of x (and of ``xk``, ``xv`` when the keys and values have inputs of their own), norm
+        included. ``"feedforward"``: the MLP sublayer of x, norm included."""
         if part == "feedforward":
             return self._feedforward(x)
         attn = self._attend(x, rope, v1, v1_weight, cache, xk, xv, tokens)

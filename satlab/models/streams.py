@@ -41,14 +41,15 @@ class DepthContext:
     def block(self, i: int, x: Tensor) -> Tensor:
         """Run block i as a plain pre-norm residual block."""
         weight, cache = self._layer_args(i)
-        x, self.v1, self.gates[i] = self.blocks[i](x, self.rope, self.v1, weight, cache, self.tokens)
+        x, v1, self.gates[i] = self.blocks[i](x, self.rope, self.v1, weight, cache, self.tokens)
+        self.v1 = self.v1 if v1 is None else v1  # layer 0's V_1; later blocks hand back None
         return x
 
     def attend(self, i: int, xq: Tensor, xk: Tensor | None = None, xv: Tensor | None = None) -> Tensor:
         """Block i's attention sublayer (norm included, residual not added)."""
         weight, cache = self._layer_args(i)
         out = self.blocks[i](xq, self.rope, self.v1, weight, cache, self.tokens, xk=xk, xv=xv, part="attend")
-        self.v1, self.gates[i] = out.v1, out.gate
+        self.v1, self.gates[i] = self.v1 if out.v1 is None else out.v1, out.gate
         return out.out
 
     def feedforward(self, i: int, x: Tensor) -> Tensor:

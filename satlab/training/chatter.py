@@ -4,6 +4,12 @@ Lightning, datasets and MLflow print notices at INFO level (devices found, a "li
 generated, database migrations) that say nothing a researcher acts on; satlab's own output (the plan, the progress
 bar with tokens/s and ETA, the summary table) and every warning or error still reach the terminal. The notices
 are kept, with timestamps, in ``<run dir>/train.log``.
+
+One warning is not shown at all, as it does not apply: Lightning's advice to log with ``sync_dist=True`` for the
+values satlab logs once per validation (``val/*``, ``recall/*``). Those are already global: the loss and the recall
+are torchmetrics aggregates, which sum over every rank's batches before ``compute`` returns, and the step counts
+derive from them; an all-reduce would only average a value that is the same on every rank. Values that differ per
+rank (the training loss of each rank's micro-batches) are logged with ``sync_dist=True``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from pathlib import Path
 
 LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric", "datasets", "mlflow", "optuna")
 LOG_FILE = "train.log"
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\('(val|recall)/[^']*', \.\.\., sync_dist=True\)`"
+"""Lightning's advice for an epoch-level value logged without ``sync_dist``, for satlab's global values only."""
 
 
 @contextmanager
@@ -26,6 +34,7 @@ def library_chatter_to(run_dir: Path, log_file: str = LOG_FILE) -> Iterator[None
 
     datasets.disable_progress_bars()  # "Generating train split" bars: satlab shows its own progress
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a deprecation inside Lightning, not ours
+    warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)  # see the module docstring
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(run_dir / log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -157,6 +157,7 @@ class LMModule(L.LightningModule):
         count = self.val_loss.weight.clone()
         loss = self.val_loss.compute()
         self.val_loss.reset()
+        # global already (torchmetrics sums every rank's batches): no sync_dist, and no advice (training/chatter.py)
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:

@@ -55,7 +55,8 @@ class SATFormerGate(nn.Module):
     def gate(self, h: Tensor) -> Tensor:
         """Gate values (B, T, G, C) for the normalised attention input h (B, T, d)."""
         if self.static is not None:
-            return apply_gate_fn(self.gate_fn, self.static).expand(h.shape[0], h.shape[1], *self.shape)
+            # a copy, not the expanded view: the gates leave the block, which FSDP2 wants free of views
+            return apply_gate_fn(self.gate_fn, self.static).expand(h.shape[0], h.shape[1], *self.shape).clone()
         logits = self.proj(h).view(h.shape[0], h.shape[1], *self.shape)
         return apply_gate_fn(self.gate_fn, logits)
 

@@ -45,8 +45,9 @@ class ValueEmbedding(nn.Module):
         if tokens is None:
             raise ValueError("value embeddings look the tokens up: call the model with token ids")
         ve = self.table(tokens)  # (B, T, d_kv)
-        gate = 2 * torch.sigmoid(self.gate_proj(torch.cat([h[..., :GATE_INPUTS], ve[..., :GATE_INPUTS]], -1)))
-        gate = gate.unsqueeze(-1)  # (B, T, H_kv, 1)
+        logits = self.gate_proj(torch.cat([h[..., :GATE_INPUTS], ve[..., :GATE_INPUTS]], -1))
+        gate = 2 * torch.sigmoid(logits.unsqueeze(-1))  # (B, T, H_kv, 1), a tensor of its own (not a view): it
+        # leaves the block, which FSDP2 wants free of views
         return v + gate * ve.view(*ve.shape[:-1], *self.shape), gate
 
 
