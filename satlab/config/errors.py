@@ -70,6 +70,13 @@ def clipped(text: str, limit: int = MAX_PROBLEM_CHARS) -> str:
     return f"{text[:half]} [... {len(text) - 2 * half:,} characters left out ...] {text[-half:]}"
 
 
+def excerpt(text: Any, limit: int = 120) -> str:
+    """``text`` on one line, cut at its end to ``limit`` characters: a line of a user's file, or a library's
+    message, quoted in a message of ours."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class ConfigError(ValueError):
     """Bad user input (config key, value, name or path). The CLI prints it and exits with code 2.
 

@@ -22,6 +22,8 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from satlab.config.errors import excerpt
+
 FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                 ".parquet": "parquet"}
 COMPRESSIONS = {".gz", ".bz2", ".xz", ".zst"}
@@ -33,12 +35,6 @@ def file_format(path: Path) -> str | None:
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes.pop()
     return FILE_FORMATS.get(suffixes[-1]) if suffixes else None
-
-
-def excerpt(text: str, limit: int = 120) -> str:
-    """``text`` on one line, cut to ``limit`` characters (a value echoed in a message stays readable)."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @contextmanager

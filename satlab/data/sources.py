@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from satlab.config.errors import ConfigError, did_you_mean, shown, unknown_name
+from satlab.config.errors import ConfigError, did_you_mean, excerpt, shown, unknown_name
 from satlab.config.schema import SOURCE_KINDS, DataConfig
 from satlab.data.common import (
     SPLITS,
@@ -33,7 +33,6 @@ from satlab.data.corpora import CORPORA, corpus_identity, ensure_corpus
 from satlab.data.files import (
     COMPRESSIONS,
     FILE_FORMATS,
-    excerpt,
     file_fields,
     file_format,
     file_rows,
