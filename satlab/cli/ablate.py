@@ -6,10 +6,14 @@ import argparse
 
 from rich.table import Table
 
-from satlab.config.errors import EXIT_REQUEUE, ConfigError
+from satlab.config.errors import EXIT_REQUEUE, ConfigError, shown
 from satlab.console import console as make_console
 from satlab.studies.loader import load_ablation
-from satlab.studies.spec import AblationSpec
+from satlab.studies.spec import AblationSpec, format_value
+
+SIGMA = 0.0975
+"""Paired std of final validation loss, SATFormer vs ResFormer on Shakespeare in arch_tiny (+0.110 nats, paired p
+0.19 at 3 seeds, so 0.110 sqrt(3) / t_{2, 0.905}; its stated minimum detectable difference, 0.32, agrees)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +32,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the grid and what the study records of each cell; run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    parser.add_argument("--simulate", type=int, metavar="N",
+                        help="run nothing: check the spec's sequential plan on N simulated null studies per rule "
+                             "(its family-wise error against the naive re-test at 0.05) and its power and seeds "
+                             "against a fixed-n test (docs/studies.md)")
+    parser.add_argument("--sigma", type=float, default=SIGMA,
+                        help=f"--simulate: std of a paired difference, the measure's units (default {SIGMA}: "
+                             "SATFormer vs ResFormer in arch_tiny, docs/results/2026-12-01-arch-tiny.md)")
+    parser.add_argument("--differences", metavar="FILE",
+                        help="--simulate: real observed paired differences (numbers, one per line) for sign-flip "
+                             "null studies")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     spec = load_ablation(args.spec, args.overrides)
+    if args.simulate is not None:
+        return simulate(spec, args.simulate, args.sigma, read_differences(args.differences))
     if args.dry_run:
         print_grid(spec, args.storage)
         return 0
@@ -61,3 +77,50 @@ def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
     for i, cell in enumerate(spec.run_order(), 1):
         table.add_row(str(i), cell.slug, cell.group, status[cell.key])
     make_console().print(table)
+
+
+def read_differences(path: str | None) -> list[float] | None:
+    if path is None:
+        return None
+    try:
+        values = [float(line) for line in open(path, encoding="utf-8").read().split()]  # noqa: SIM115
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--differences {shown(path)}: {e}; give a text file of numbers, one per line") from None
+    if len(values) < 2 or not any(values):
+        raise ConfigError(f"--differences {shown(path)}: at least two numbers, not all zero, got {len(values)}")
+    return values
+
+
+def simulate(spec: AblationSpec, studies: int, sigma: float, observed: list[float] | None) -> int:
+    """The plan's family-wise error on null studies (normal; sign-flips of ``observed``) against the naive rule, then
+    power and seeds against a fixed-n test at n_max, as tables."""
+    from satlab.studies.sequential_sim import null_studies, power_table
+
+    plan = spec.sequential
+    problems = [] if plan.enabled else [f"ablation '{spec.name}' has no sequential plan: add one, e.g. sequential: "
+                                        "{looks: [3, 5, 8, 12, 20]} (docs/studies.md)"]
+    if studies < 100:
+        problems.append(f"--simulate must be at least 100 studies, got {studies}")
+    if not sigma > 0:
+        problems.append(f"--sigma must be a positive number (the std of a paired difference), got {sigma}")
+    if problems:
+        raise ConfigError(problems)
+    groups = list(dict.fromkeys(c.group for c in spec.cells()))
+    baseline = " ".join(f"{k}={v}" for k, v in ((k, format_value(v)) for k, v in spec.baseline_values().items()))
+    console = make_console()
+    null = null_studies(plan, groups, baseline or groups[0], studies, sigma, observed)
+    table = Table(title=f"'{spec.name}': family-wise error of {len(groups)} arms ({plan.comparisons}, "
+                        f"{plan.sharing}), alpha {plan.alpha:g}, looks {list(plan.schedule)}, {studies:,} null studies")
+    for column in ("rule", "family-wise error ± MCSE", "bound (alpha + 2 MCSE)", "mean seeds per arm"):
+        table.add_column(column)
+    for name, est in null.items():
+        table.add_row(name, est.text(), f"{plan.alpha + 2 * est.mcse:.4f}", f"{est.seeds:.2f}")
+    console.print(table)
+    power = Table(title=f"one comparison, sigma {sigma:g}: plan ({plan.spending}) vs a fixed test at n_max")
+    for column in ("true difference", "plan: power", "plan: mean seeds", "fixed n_max: power", "seeds"):
+        power.add_column(column)
+    for row in power_table(plan, sigma, studies):
+        power.add_row(f"{row.factor:g} MDD = {row.difference:.3g}", row.sequential.text(),
+                      f"{row.sequential.seeds:.2f}", row.fixed.text(), str(plan.schedule[-1]))
+    console.print(power)
+    return 1 if any(e.rate > plan.alpha + 2 * e.mcse for k, e in null.items() if k.startswith("plan")) else 0

@@ -24,6 +24,7 @@ from satlab.config.errors import quoted, shown, unknown_name
 from satlab.config.loader import load_experiment, name_characters
 from satlab.config.resolve import folder, resolve
 from satlab.config.schema import MAX_TOKENS, ExperimentConfig
+from satlab.config.sequential import SequentialPlan
 from satlab.config.structured import field_problems, in_range
 
 PARAM_KEYS = ("type", "low", "high", "log", "step", "choices")
@@ -221,7 +222,7 @@ class StudySpec(abc.ABC):
             f"{name_characters(self.name, _NAME_CHARS)}"]
         if self.trial.grace_seconds <= self.trial.heartbeat_seconds:
             problems.append("trial.grace_seconds must be larger than trial.heartbeat_seconds")
-        return problems + field_problems(self)
+        return problems + field_problems(self, skip=("sequential",))  # its own problems() checks it
 
 
 @dataclass
@@ -313,6 +314,8 @@ class AblationSpec(StudySpec):
     # Off unless set; it may only observe (a pruned cell would leave a hole in the grid): each cell records when the
     # guard would have pruned it, so what a sweep's guard excludes can be judged against full-budget losses.
     saturation: SaturationGuard = field(default_factory=lambda: SaturationGuard(threshold=None))
+    # A group-sequential plan (satlab.config.sequential); off without looks: the seed axis is then fixed.
+    sequential: SequentialPlan = field(default_factory=SequentialPlan)
 
     def default_out(self) -> Path:
         return self.out_of(self.name)
@@ -375,6 +378,10 @@ class AblationSpec(StudySpec):
                                 f"one column of the grid, so give it once: {shown(choices)}")
             if key in self.overrides:
                 problems.append(f"{quoted(key)} is both a fixed override and an axis; keep one")
+        problems.extend(self.sequential.problems())
+        if self.sequential.enabled and len({c.group for c in self.cells()}) < 2:
+            problems.append("sequential: the plan compares groups of cells, but the grid has one; give an axis "
+                            "besides the seeds, e.g. model.arch: [transformer, satformer]")
         if self.saturation.action != "observe":
             problems.append("saturation.action must be 'observe' in an ablation: a pruned cell would leave a hole "
                             "in the grid (a sweep's guard can prune)")

@@ -58,15 +58,18 @@ def paired_p(a: Sequence[float], b: Sequence[float]) -> float | None:
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment of the p-values given (None stays None)."""
-    from statsmodels.stats.multitest import multipletests
-
+    """Holm's step-down adjustment of the p-values given (None stays None): the i-th smallest of m times
+    m - i + 1, made monotone, at most 1. (Plain numpy: statsmodels' multipletests runs a garbage collection per call,
+    0.15 s, which the sequential simulation's hundred thousand calls cannot afford.)"""
     present = [i for i, p in enumerate(pvalues) if p is not None]
     adjusted: list[float | None] = [None] * len(pvalues)
     if present:
-        for i, q in zip(present, multipletests([pvalues[i] for i in present], alpha=SIGNIFICANCE,
-                                               method="holm")[1], strict=True):
-            adjusted[i] = float(q)
+        values = np.array([pvalues[i] for i in present], dtype=float)
+        order = np.argsort(values, kind="stable")
+        scaled = values[order] * (len(values) - np.arange(len(values)))
+        monotone = np.minimum(np.maximum.accumulate(scaled), 1.0)
+        for rank, q in zip(order, monotone, strict=True):
+            adjusted[present[rank]] = float(q)
     return adjusted
 
 
