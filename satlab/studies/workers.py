@@ -266,12 +266,12 @@ class TrialRunner:
                             Path(log) if log else None)
         except MlflowException as e:
             self.console.print(f"[yellow]could not close the MLflow run of trial {trial.number}: {e}[/]")
-        if reason == INTERRUPTED:
-            pass  # neither finished nor failed: the next run of the command resumes it
-        elif trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            self.finished.append(point.key)
-        else:
-            self.failures[point.key] = reason or "no reason recorded"
+        # An interrupted trial is neither finished nor failed: the next run of the command resumes it.
+        if reason != INTERRUPTED:
+            if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                self.finished.append(point.key)
+            else:
+                self.failures[point.key] = reason or "no reason recorded"
         minutes = trial.duration.total_seconds() / 60 if trial.duration else 0.0
         style = {"COMPLETE": "green", "PRUNED": "yellow"}.get(trial.state.name, "red")
         tokens = trial.user_attrs.get(A.TOKENS)

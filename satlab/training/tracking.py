@@ -263,11 +263,12 @@ def record_end(client: mlflow.MlflowClient, run_id: str, status: str, reason: st
     line appended to :data:`END_HISTORY_TAG`. When the store cannot be read (an outage; the writes wait in the run
     folder), the history is left as it is rather than overwritten."""
     line = f"{status}{'' if step is None else f' at step {step}'}: {reason}"[:2000]
+    readable = True
     try:
         before = client.get_run(run_id).data.tags.get(END_HISTORY_TAG)
     except Exception:  # noqa: BLE001 - any failure to read: the history is left alone
-        pass
-    else:
+        readable, before = False, None
+    if readable:
         client.set_tag(run_id, END_HISTORY_TAG, "\n".join([*(before or "").splitlines(), line])[-5000:])
     client.set_tag(run_id, END_TAG, line)
     client.set_terminated(run_id, status)
