@@ -5,6 +5,10 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# No test reaches a hub: huggingface_hub and datasets read these once, when imported (below), so a test that sets
+# them later would wait for a network timeout instead (about 20 s a call) and test another path than it names.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # Lightning and datasets give their loggers a StreamHandler on the sys.stderr of the moment they are imported. Were
 # that inside a test using capsys, the handler would keep that test's capture, closed when it ends, and every later
