@@ -4,6 +4,7 @@ inflation detected, and the verdicts, intervals and alpha sharing of the look fu
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -12,7 +13,15 @@ from scipy import stats
 
 from satlab.config.sequential import SequentialPlan
 from satlab.studies import sequential_sim as sim
-from satlab.studies.sequential import boundaries, constant_boundary, crossing, evaluate, pairs, spent
+from satlab.studies.sequential import (
+    boundaries,
+    constant_boundary,
+    crossing,
+    evaluate,
+    pairs,
+    sign_flip_p,
+    spent,
+)
 from satlab.studies.stats import holm, paired_p
 
 FIVE = (1, 2, 3, 4, 5)
@@ -91,13 +100,40 @@ def test_sign_flips_of_one_real_difference_hold_the_error():
     assert estimate.rate <= plan.alpha + 2 * estimate.mcse, estimate.text()
 
 
-@pytest.mark.xfail(strict=True, reason="known: three comparisons on sign-flips of 6 resampled differences exceed "
-                                       "alpha + 2 MCSE (0.067 ± 0.005 at 3,000 studies); see the results page")
 def test_sign_flips_of_six_real_differences_hold_the_error_over_three_comparisons():
+    """Six values resampled give ties and two-valued tails at 3-5 seeds, where the t critical values of the tiny
+    early nominal levels assume normal differences: the t test alone reached 0.067 ± 0.005 here. The exact
+    sign-flip check brings it within alpha."""
     plan = SequentialPlan(looks=[3, 5, 8, 12, 20], sharing="bonferroni")
     estimate = sim.null_studies(plan, ARMS, "transformer", STUDIES, sigma=1.0, observed=REAL_DIFFERENCES,
                                 seed=5)["plan, sign-flips"]
     assert estimate.rate <= plan.alpha + 2 * estimate.mcse, estimate.text()
+
+
+def brute_force_sign_flip_p(d: np.ndarray) -> float:
+    observed, side = abs(d.sum()), 1.0 if d.sum() >= 0 else -1.0
+    flips = [side * np.dot(signs, np.abs(d)) >= observed - 1e-12 for signs in itertools.product((-1, 1), repeat=len(d))]
+    return sum(flips) / 2 ** len(d)
+
+
+def test_the_sign_flip_p_is_the_share_of_sign_vectors_at_least_as_extreme():
+    rng = np.random.default_rng(3)
+    for n in range(1, 12):
+        for values in (rng.normal(0.1, 1.0, n), rng.choice([-0.2, 0.1, 0.1, 0.3], n), np.full(n, 0.5)):
+            assert sign_flip_p(values) == pytest.approx(brute_force_sign_flip_p(values), abs=1e-12), values
+    assert sign_flip_p(np.full(12, 0.5)) == 2.0 ** -12  # all alike: only the observed signs are as extreme
+    assert sign_flip_p(rng.normal(0, 1, 41)) is None  # beyond the exact count: the t test alone
+
+
+def test_no_comparison_stops_while_its_seeds_cannot_reach_the_nominal_level():
+    """Every seed favours the first arm by far: the t test alone rejects at the second look (5 seeds, nominal
+    5.1e-4), but five signs give at best p = 1/32, so the verdict waits for the third (8 seeds: 1/256 under 5.9e-3)."""
+    seen = {"a": dict.fromkeys(range(12), 0.0), "b": dict(enumerate(1.0 + 0.01 * np.arange(12)))}
+    (verdict,) = evaluate(SequentialPlan(looks=[3, 5, 8, 12]), seen, [("a", "b")])
+    assert [r.decision for r in verdict.records] == ["continue", "continue", "a_better"]
+    second = verdict.records[1]
+    assert second.t >= second.critical and second.sign_flip_p == 1 / 32 > second.nominal
+    assert verdict.records[2].sign_flip_p == 1 / 256
 
 
 def test_the_naive_re_test_inflates_the_error_and_the_harness_sees_it():
@@ -159,14 +195,13 @@ def test_holm_passes_the_alpha_of_a_rejected_comparison_on():
     plan = SequentialPlan(looks=[3, 5, 8], spending="pocock")
     rng = np.random.default_rng(11)
     diffs = {"clear": np.full(8, 0.5) + rng.normal(0, 0.01, 8), "near": None}
-    for seed in range(200):  # a difference between the Bonferroni and the full-alpha boundary at the last look
+    for seed in range(2000):  # a difference between the Bonferroni and the full-alpha boundary at the last look
         d = np.random.default_rng(seed).normal(0.0, 1.0, 8)
         d = d - d.mean() + 3.2 * d.std(ddof=1) / math.sqrt(8)
-        design_half = boundaries(plan.schedule, 0.0125, "pocock", 2)
-        design_full = boundaries(plan.schedule, 0.025, "pocock", 2)
-        ts = [d[:n].mean() / (d[:n].std(ddof=1) / math.sqrt(n)) for n in plan.schedule]
-        if all(abs(t) < design_half.critical(k) for k, t in enumerate(ts)) and ts[-1] >= design_full.critical(2) \
-                and all(abs(t) < design_full.critical(k) for k, t in enumerate(ts[:-1])):
+        alone = {"x": dict(enumerate(-d)), "base": dict.fromkeys(range(8), 0.0)}
+        half = evaluate(SequentialPlan(looks=[3, 5, 8], spending="pocock", alpha=0.025), alone, [("x", "base")])[0]
+        full = evaluate(SequentialPlan(looks=[3, 5, 8], spending="pocock"), alone, [("x", "base")])[0]
+        if half.outcome == "undecided" and full.outcome == "a_better" and full.stopped_at == 3:
             diffs["near"] = d
             break
     assert diffs["near"] is not None
