@@ -136,6 +136,10 @@ def test_a_recall_run_stops_at_its_target_accuracy_and_stays_stopped_when_resume
     assert history[0][0] == 0 and history[0][1] < 0.4
     reached = [acc >= 0.4 for _, acc in history]
     assert reached.count(True) == 1 and reached[-1]  # the first validation at the target ended it, logged once
+    assert result.recall["recall/steps_to_bind"] == result.recall["recall/steps_to_0.4"]  # the stop's own threshold
+    assert result.recall["recall/steps_to_bind"] * cfg.train.global_batch_tokens == result.tokens
+    assert result.recall["recall/bound"] == 1.0
+    assert [v for _, v in recall_history(result, "recall/bound")] == [0.0] * (len(history) - 1) + [1.0]
     again = train(cfg, progress=False)
     assert again.tokens == result.tokens and again.recall["recall/acc"] == result.recall["recall/acc"]
     loaded = load_checkpoint(result.run_dir)
@@ -180,3 +184,5 @@ def test_a_recall_run_that_crashed_resumes_to_the_uninterrupted_runs_weights_and
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
     assert resumed.recall == whole.recall
+    # never at 0.99 in 120 steps: time-to-bind censored at the last step, for the run that crashed as for the other
+    assert whole.recall["recall/bound"] == 0.0 and whole.recall["recall/steps_to_bind"] == 120

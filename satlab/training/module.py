@@ -168,7 +168,7 @@ class LMModule(L.LightningModule):
 
     def _log_recall(self, accuracy: float) -> None:
         self.log("recall/acc", accuracy, prog_bar=True)
-        for threshold in RECALL_THRESHOLDS:
+        for threshold in sorted({*RECALL_THRESHOLDS, self.bind_threshold}):
             key = f"{threshold:g}"
             if accuracy >= threshold and key not in self.recall_reached:
                 self.recall_reached[key] = self.global_step
@@ -179,6 +179,17 @@ class LMModule(L.LightningModule):
         for key, first in self.recall_reached.items():  # logged at every validation, so the last value is the answer
             self.log(f"recall/steps_to_{key}", float(first))
             self.log(f"recall/sequences_to_{key}", float(first * self.schedule.tokens_per_step / self.cfg.data.seq_len))
+        bound_at = self.recall_reached.get(f"{self.bind_threshold:g}")
+        # Time-to-bind restricted to the steps trained so far: the first step at the threshold, else this step (the
+        # run's last validated step once it ends: censored at the budget). Known for every run, bound or not, so
+        # paired differences of it are valid where those of steps_to_<t> (missing when never reached) are not.
+        self.log("recall/steps_to_bind", float(self.global_step if bound_at is None else bound_at))
+        self.log("recall/bound", 0.0 if bound_at is None else 1.0)
+
+    @property
+    def bind_threshold(self) -> float:
+        """The held-out accuracy at which a recall run counts as bound: where it stops, else Zoology's 0.99."""
+        return self.cfg.data.mqar.stop_at_acc or max(RECALL_THRESHOLDS)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is not None:
