@@ -192,3 +192,19 @@ def rows_csv(rows: list[dict]) -> str:
     for row in rows:
         writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
     return out.getvalue()
+
+
+def planned(spec: AblationSpec, study: optuna.Study | None) -> tuple[list[dict], S.Schedule, dict[str, str]]:
+    """For ``satlab ablate --dry-run``, reading only: the rows the study recorded, the plan replayed on the finished
+    cells (MLflow as the study names it; none without a study) and the finished cells (key -> run id)."""
+    design = S.design(spec)
+    runs: dict = {}
+    if study is not None and study.user_attrs.get(A.PARENT_RUN) and study.user_attrs.get(A.TRACKING_URI):
+        try:
+            runs = cell_runs(mlflow.MlflowClient(study.user_attrs[A.TRACKING_URI]), study.user_attrs[A.PARENT_RUN])
+        except MlflowException:
+            runs = {}
+    values, _ = final_values(runs, spec.sequential.measure)
+    schedule = S.decide(design, S.observations(design, spec.cells(), values))
+    rows = list(study.user_attrs.get(A.SEQUENTIAL_LOOKS, [])) if study is not None else []
+    return rows, schedule, {k: r.info.run_id for k, r in runs.items()}
