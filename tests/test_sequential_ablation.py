@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import yaml
+from test_ablate import MICRO
 
 from satlab.cli.main import main as satlab_main
 from satlab.studies import sequential_schedule as S
@@ -20,7 +21,6 @@ from satlab.studies.loader import load_ablation
 from satlab.studies.plans import GridPlan
 from satlab.studies.results import cell_runs
 from satlab.studies.sequential_looks import LOOKS_CSV, LOOKS_JSON, REPLAY_TAG, fixed_plan
-from test_ablate import MICRO
 
 TAG = "verdict.sequential.0.01_vs_1e-09"
 

@@ -135,9 +135,9 @@ def print_sequential(spec: AblationSpec, storage: str | None = None) -> None:
             estimates[cell.group] = estimated_seconds(cfg, plan(cfg)["flops_per_token"])
         seconds, where = seconds + estimates[cell.group][0], estimates[cell.group][1]
     waiting = {f or "study": k for f, k in schedule.waiting_for.items() if k}
+    cost = f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
     console.print(f"next: look {', '.join(f'{k} ({f})' for f, k in waiting.items())}: {len(todo)} cell(s) to run, "
-                  f"about {f'{seconds / 60:.1f} min' if seconds >= 60 else f'{seconds:.0f} s'} of compute {where} in all "
-                  f"(one worker)", soft_wrap=True)
+                  f"about {cost} of compute {where} in all (one worker)", soft_wrap=True)
     for cell in todo:
         console.print(f"  {cell.key}", soft_wrap=True)
 
