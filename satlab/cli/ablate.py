@@ -51,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate is not None:
         return simulate(spec, args.simulate, args.sigma, read_differences(args.differences))
     if args.dry_run:
+        if problems := spec.sequential.seed_problems(spec.axes, spec.seed_key):
+            raise ConfigError(problems)
         print_grid(spec, args.storage)
+        if spec.sequential.enabled:
+            print_sequential(spec, args.storage)
         return 0
     from satlab.studies.engine import run_study
 
@@ -77,6 +81,65 @@ def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
     for i, cell in enumerate(spec.run_order(), 1):
         table.add_row(str(i), cell.slug, cell.group, status[cell.key])
     make_console().print(table)
+
+
+def print_sequential(spec: AblationSpec, storage: str | None = None) -> None:
+    """The plan with its boundaries per look, the looks the study recorded, and the cells the next look runs with
+    the time they take (``satlab train --dry-run``'s estimate); reads the study and its MLflow runs, makes nothing."""
+    from satlab.cli.train import estimated_seconds, plan
+    from satlab.studies import sequential_schedule as S
+    from satlab.studies.plans import GridPlan
+    from satlab.studies.sequential import boundaries
+    from satlab.studies.sequential_looks import planned
+    from satlab.studies.sequential_report import look_table
+
+    p, console = spec.sequential, make_console()
+    design = S.design(spec)
+    console.print(f"sequential plan: {p.measure} ({p.better} is better), alpha {p.alpha:g} ({p.sides}-sided), "
+                  f"{p.spending} spending, looks {list(p.schedule)} (n_max {p.schedule[-1]}), comparisons "
+                  f"{p.comparisons}{f' of {p.compare} per setting' if p.compare else ''}, sharing {p.sharing}, "
+                  f"family {p.family}", soft_wrap=True)
+    for family in design.families:
+        share = p.alpha / p.sides / len(family.comparisons)
+        bounds = boundaries(p.schedule, share, p.spending, p.sides)
+        table = Table(title=f"family {family.name or 'study'}: {len(family.comparisons)} comparison(s), "
+                            f"{share:.4g} a side each to start ({p.sharing} passes a decided one's on)")
+        for column in ("look", "seeds", "z boundary", "nominal (one-sided)", "t critical", "alpha spent"):
+            table.add_column(column, justify="right")
+        for k, n in enumerate(p.schedule):
+            table.add_row(str(k + 1), str(n), f"{bounds.z[k]:.3f}", f"{bounds.nominal[k]:.3g}",
+                          f"{bounds.critical(k):.3f}", f"{bounds.spent[k]:.3g}")
+        console.print(table)
+        for a, b in family.comparisons:
+            console.print(f"  {S.arm_label(design, a)} vs {S.arm_label(design, b)}", soft_wrap=True)
+    grid = GridPlan(spec)
+    rows, schedule, finished = planned(spec, grid.recorded_study(storage))
+    if rows:
+        done = look_table(rows)
+        table = Table(title="looks recorded")
+        for column in done[0]:
+            table.add_column(column)
+        for row in done[1:]:
+            table.add_row(*row)
+        console.print(table)
+    else:
+        console.print("no look recorded yet")
+    if schedule.decided:
+        console.print("every comparison is decided: nothing more to run")
+        return
+    todo = [c for c in S.wanted_cells(spec, design, schedule.seeds) if c.key not in finished]
+    seconds, where, estimates = 0.0, "", {}
+    for cell in todo:
+        if cell.group not in estimates:
+            cfg = spec.base_config(cell.overrides())
+            estimates[cell.group] = estimated_seconds(cfg, plan(cfg)["flops_per_token"])
+        seconds, where = seconds + estimates[cell.group][0], estimates[cell.group][1]
+    waiting = {f or "study": k for f, k in schedule.waiting_for.items() if k}
+    cost = f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    console.print(f"next: look {', '.join(f'{k} ({f})' for f, k in waiting.items())}: {len(todo)} cell(s) to run, "
+                  f"about {cost} of compute {where} in all (one worker)", soft_wrap=True)
+    for cell in todo:
+        console.print(f"  {cell.key}", soft_wrap=True)
 
 
 def read_differences(path: str | None) -> list[float] | None:

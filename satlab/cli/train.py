@@ -104,14 +104,27 @@ def plan(cfg) -> dict[str, object]:
             "schedule": derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)}
 
 
+def estimated_seconds(cfg, flops_per_token: float) -> tuple[float, str]:
+    """The time a run of ``cfg`` takes here at half the peak FLOP/s: a GPU's from the dense table when the run would
+    train on one and this machine has one, else this CPU's measured fp32 matmul peak (a CPU run reaches about half
+    of it); and where the estimate is for, in words. ``satlab ablate --dry-run`` sums it over a look's cells."""
+    import torch
+
+    from satlab.training.perf import device_peak_flops, measure_cpu_matmul_peak
+
+    if cfg.train.accelerator != "cpu" and torch.cuda.is_available():
+        peak, label = device_peak_flops(torch.device("cuda"), cfg.train.precision)
+        if peak:
+            return cfg.train.max_tokens * flops_per_token / (0.5 * peak), f"on this GPU (at 50 % of its {label} peak)"
+    return cfg.train.max_tokens * flops_per_token / (0.5 * measure_cpu_matmul_peak()), \
+        "on this CPU (at 50 % of its fp32 peak)"
+
+
 def print_plan(cfg) -> None:
     """Sizes, FLOPs, the derived schedule and a time estimate, without building real weights."""
-    from satlab.training.perf import measure_cpu_matmul_peak
-
     planned = plan(cfg)
     flops = planned["flops_per_token"]
-    # A CPU run reaches about half of the measured fp32 matmul peak; the estimate says so rather than guessing GPUs.
-    cpu_rate = 0.5 * measure_cpu_matmul_peak() / flops
+    seconds, where = estimated_seconds(cfg, flops)
     vocab = planned["vocab_size"]
     table = Table(title=f"plan for '{cfg.name}'", show_header=False)
     table.add_column(style="bold")
@@ -124,7 +137,7 @@ def print_plan(cfg) -> None:
         ("tokens", f"{cfg.train.max_tokens:,}"),
         *[(f"derived {k}", f"{v:,}" if isinstance(v, int) else str(v))
           for k, v in planned["schedule"].as_dict().items()],
-        ("estimated time on this CPU", f"{cfg.train.max_tokens / cpu_rate / 60:.1f} min (at 50 % of its fp32 peak)"),
+        ("estimated time", f"{seconds / 60:.1f} min {where}"),
     ]:
         table.add_row(name, value)
     make_console().print(table)

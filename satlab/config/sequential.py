@@ -10,7 +10,10 @@ choices. Without ``looks`` (the default) there is no plan and an ablation runs i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from satlab.config.errors import shown
 from satlab.config.structured import field_problems, in_range
@@ -19,6 +22,12 @@ SPENDING = ("obrien_fleming", "pocock")
 """Lan-DeMets spending functions: O'Brien-Fleming-type (spends little early) and Pocock-type (evenly)."""
 COMPARISONS = ("baseline", "all_pairs")
 SHARING = ("holm", "bonferroni")
+BETTER = ("lower", "higher")
+FAMILIES = ("study", "setting")
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
+"""The form of an MLflow metric key satlab logs (``val/loss``, ``recall/steps_to_bind``): parts of letters, digits,
+``_ . -`` between single slashes. Whether the cells log it is known only once one has finished: the first look
+names a finished run that lacks it, with the metrics it did log."""
 MIN_FIRST_LOOK = 3
 """The fewest seeds of the first look. Two seeds leave the paired t statistic one degree of freedom: its critical
 value at the nominal levels a spending function gives early (O'Brien-Fleming's 2.7e-7 at the first of five looks)
@@ -45,6 +54,14 @@ class SequentialPlan:
     margin: float | None = field(default=None, metadata=in_range(0, 1e9, True))
     comparisons: str = field(default="baseline", metadata={"choices": COMPARISONS})
     sharing: str = field(default="holm", metadata={"choices": SHARING})
+    measure: str = "val/loss"
+    better: str = field(default="lower", metadata={"choices": BETTER})
+    compare: str | None = None
+    family: str = field(default="study", metadata={"choices": FAMILIES})
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.better == "lower"
 
     @property
     def enabled(self) -> bool:
@@ -59,7 +76,8 @@ class SequentialPlan:
     def problems(self, prefix: str = "sequential.") -> list[str]:
         """Every value outside what the plan allows, with the valid values; none for a plan that is off."""
         if not self.enabled:
-            given = [name for name, default in (("n_max", None), ("margin", None)) if getattr(self, name) != default]
+            given = [name for name, default in (("n_max", None), ("margin", None), ("compare", None))
+                     if getattr(self, name) != default]
             return [f"{prefix}{name} is set but {prefix}looks is empty: give the looks (seeds per look), e.g. "
                     f"looks: [3, 5, 8, 12, 20]" for name in given]
         problems = field_problems(self, prefix)
@@ -70,6 +88,14 @@ class SequentialPlan:
         if self.sides not in (1, 2) or isinstance(self.sides, bool):
             problems.append(f"{prefix}sides must be 1 (only 'the first arm is better' is tested) or 2 (either arm "
                             f"may win), got {shown(self.sides)}")
+        if not isinstance(self.measure, str) or not METRIC_NAME.fullmatch(self.measure):
+            problems.append(f"{prefix}measure must name an MLflow metric the cells log (parts of letters, digits, "
+                            f"'_', '.' or '-' between single '/', e.g. val/loss or recall/steps_to_bind), got "
+                            f"{shown(self.measure)}")
+        if self.family == "setting" and self.compare is None:
+            problems.append(f"{prefix}family: setting makes each setting (the values of the axes other than "
+                            f"{prefix}compare) its own family, but {prefix}compare is not set: set compare (e.g. "
+                            f"compare: model.arch) or use family: study")
         looks = list(self.looks)
         if any(isinstance(n, bool) or not isinstance(n, int) for n in looks):
             return problems + [f"{prefix}looks must be whole seed counts, got {shown(looks)}"]
@@ -93,3 +119,40 @@ class SequentialPlan:
                 problems.append(f"{prefix}looks {shown(beyond)} are beyond n_max ({self.n_max}): n_max is the last "
                                 f"look; drop them or raise n_max")
         return problems
+
+    def grid_problems(self, axes: Mapping[str, Any], seed_key: str, prefix: str = "sequential.") -> list[str]:
+        """``compare`` is an axis other than the seeds, with at least two values (checked when a spec is read)."""
+        if not self.enabled or self.compare is None:
+            return []
+        others = [k for k in axes if k != seed_key]
+        if self.compare not in others:
+            return [f"{prefix}compare must be an axis of the grid other than the seeds ({', '.join(others) or 'none'}),"
+                    f" got {shown(self.compare)}"]
+        if not isinstance(axes[self.compare], list) or len(axes[self.compare]) < 2:
+            return [f"{prefix}compare: axis {self.compare} has one value; its values are the arms, so give it at "
+                    f"least two"]
+        return []
+
+    def seed_problems(self, axes: Mapping[str, Any], seed_key: str) -> list[str]:
+        """The seed axis lists at least n_max seeds: look k runs the first n_k of them in the axis' order, and seeds
+        beyond n_max are never run. Checked before an ablation runs or shows its plan (``--simulate`` runs nothing
+        and needs none)."""
+        seeds = axes.get(seed_key)
+        if not self.enabled or not self.schedule or not isinstance(seeds, list) or len(seeds) >= self.schedule[-1]:
+            return []
+        n_max = self.schedule[-1]
+        return [f"sequential: the seed axis {seed_key} lists {len(seeds)} seed(s), but the plan may run up to n_max = "
+                f"{n_max} per arm (look k runs the first n_k seeds of the axis, in its order): list at least {n_max}, "
+                f"e.g. axes.{seed_key}=[{','.join(map(str, range(n_max)))}]"]
+
+    def fixed(self) -> dict[str, str]:
+        """The plan as the study stores it before the first look (``sequential.<field>`` params of the parent run and
+        the study's user attr): every field as text, n_max as the last look it resolves to."""
+        values = asdict(self) | {"n_max": self.schedule[-1] if self.schedule else None}
+        return {f"sequential.{k}": _text(v) for k, v in values.items()}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return "none" if value is None else str(value)

@@ -41,6 +41,7 @@ from satlab.studies.results import (
     measures_for,
 )
 from satlab.studies.saturation_study import saturation_section
+from satlab.studies.sequential_report import sequential_section, sequential_summary
 from satlab.studies.spec import AblationSpec, format_value
 from satlab.studies.stats import (
     Verdict,
@@ -241,13 +242,15 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     saturation_lines, saturation = [], None
     if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
         saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
+    sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
-                           matched, orders, budgets, saturation_lines)
+                           matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
+                                                      *saturation_lines])
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
-               "budget_comparison": budgets, "saturation": saturation,
+               "budget_comparison": budgets, "saturation": saturation, "sequential": sequential,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),

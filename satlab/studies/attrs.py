@@ -26,6 +26,8 @@ TRACKING_URI = "mlflow_tracking_uri"
 SPEC = "spec"  # the resolved spec, as a plain dict, for the trial processes
 KIND = "kind"
 FINGERPRINT = "fingerprint"  # StudySpec.fingerprint of the spec that made the study
+SEQUENTIAL_PLAN = "sequential_plan"  # the sequential plan fixed with the study (satlab.studies.sequential_looks)
+SEQUENTIAL_LOOKS = "sequential_looks"  # its looks' rows, appended
 SUPERSEDED = "superseded_trials"  # grid trials that no longer count for their cell: it was queued again
 
 EXIT_COMPLETE, EXIT_PRUNED, EXIT_FAILED, EXIT_WORKER_LOST = 0, 3, 4, 5

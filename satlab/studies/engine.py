@@ -35,6 +35,7 @@ from satlab.studies.runs import (
     save_spec,
     usable_run,
 )
+from satlab.studies.sequential_looks import check_plan, look, store_plan
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
 from satlab.studies.storage import open_storage, safe_url
 from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local_trials
@@ -79,6 +80,8 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
     named = storage or spec.storage  # a storage the user names is used as it is; satlab's default may be made
     spec = replace(spec, storage=named or spec.storage_url(), out_dir=str(spec.out_path().resolve()))
     db = spec.storage.removeprefix("sqlite:///")
+    if isinstance(spec, AblationSpec) and (problems := spec.sequential.seed_problems(spec.axes, spec.seed_key)):
+        raise ConfigError(problems)
     if n_trials == 0 and db != spec.storage and not Path(db).is_file():
         raise ConfigError(f"--n-trials 0 rewrites the report of a study, but {spec.kind} '{spec.name}' has none yet "
                           f"(no {db}); run it with n_trials >= 1 first")
@@ -100,20 +103,29 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
 def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storages.RDBStorage,
          retry: StaleTrialRetry, workers: int, console: Console, report: bool,
          tracking: tuple[str, str | None]) -> StudyResult:
-    prepare_data_once(spec, base, console)
     uri, artifacts = tracking
     client = mlflow.MlflowClient(open_store(uri))
-    study, parent_id, done = set_up_study(spec, plan, rdb, client, tracking, retry)
+    sequential = isinstance(spec, AblationSpec) and spec.sequential.enabled
+    if sequential:  # before anything is written: a changed plan is refused
+        check_recorded_plan(spec, plan, rdb, client)
+    prepare_data_once(spec, base, console)
+    study, parent_id, done = set_up_study(spec, plan, rdb, client, tracking, retry, console)
     view_url = publish_study_view(client, spec, parent_id, uri)
     runner = TrialRunner(spec, plan, study, rdb, client, parent_id, uri, workers, console)
     grid = isinstance(plan, GridPlan)
     before = f"{len(plan.cells)} cells, {len(done)} finished before, " if grid else f"{plan.n_trials} trial(s) to add, "
+    if grid and plan.wanted is not None:
+        before = f"{len(plan.cells)} cells, {len(plan.wanted)} wanted by the plan's looks so far, " + before[
+            before.index(",") + 2:]
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
                   f"'{spec.experiment_name}', parent run {parent_id}; logs in {runner.logs}", soft_wrap=True)
     interrupted = runner.run_all(retry)
+    if sequential:
+        interrupted = run_looks(spec, plan, study, client, parent_id, runner, retry, console, interrupted)
     finished = finished_cells(client, parent_id) if grid else {}
-    complete = not grid or all(k in finished for k in plan.cells)
+    wanted = plan.wanted if grid and plan.wanted is not None else plan.cells if grid else {}
+    complete = not grid or (all(k in finished for k in wanted) and (not sequential or looks_decided(plan)))
     client.set_terminated(parent_id, "FINISHED" if complete and not interrupted else
                           "KILLED" if interrupted else "FAILED")
     result = StudyResult(spec.name, spec.storage, uri, parent_id, interrupted, list(done), runner.finished,
@@ -133,8 +145,49 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     return result
 
 
+def check_recorded_plan(spec: AblationSpec, plan: GridPlan, rdb: optuna.storages.RDBStorage,
+                        client: mlflow.MlflowClient) -> None:
+    """Refuse a sequential plan that differs from the one the study fixed, once a look is recorded; reads only (the
+    study as its storage holds it, else the parent run from before)."""
+    try:
+        study = optuna.load_study(study_name=plan.study_name(), storage=rdb)
+    except KeyError:
+        study = None
+    parent_id = study.user_attrs.get(A.PARENT_RUN) if study is not None else None
+    if parent_id is None and (found := find_parent_run(client, spec)) is not None:
+        parent_id = found.info.run_id
+    check_plan(spec, study, client, parent_id)
+
+
+def run_looks(spec: AblationSpec, plan: GridPlan, study: optuna.Study, client: mlflow.MlflowClient, parent_id: str,
+              runner: TrialRunner, retry: StaleTrialRetry, console: Console, interrupted: bool) -> bool:
+    """Look after each drained queue and queue the next look's cells (the runner runs them as any queued cell),
+    until every comparison is decided, a wanted cell failed, or the records disagree with the cells; whether it was
+    interrupted."""
+    while not interrupted:
+        state = look(spec, study, client, parent_id, console)
+        plan.wanted, plan.looks = (set() if state.problem else state.wanted), state
+        if state.problem:
+            runner.failures["sequential"] = state.problem
+            return False
+        reconcile_cells(study, plan, client, parent_id, retry_failed=False)  # a failed cell waits for a rerun
+        states = [t.state for key in plan.wanted for t in plan.trials_by_cell(study)[key]]
+        if TrialState.WAITING not in states and TrialState.RUNNING not in states:
+            return False
+        next_look = max((k for k in state.schedule.waiting_for.values() if k), default=None)
+        console.print(f"sequential: the cells of look {next_look} queued ({len(plan.wanted)} cells wanted so far)",
+                      soft_wrap=True)
+        interrupted = runner.run_all(retry)
+    return True
+
+
+def looks_decided(plan: GridPlan) -> bool:
+    return plan.looks is not None and plan.looks.problem is None and plan.looks.schedule.decided
+
+
 def set_up_study(spec: StudySpec, plan: Plan, rdb: optuna.storages.RDBStorage, client: mlflow.MlflowClient,
-                 tracking: tuple[str, str | None], retry: StaleTrialRetry) -> tuple[optuna.Study, str, dict[str, str]]:
+                 tracking: tuple[str, str | None], retry: StaleTrialRetry,
+                 console: Console | None = None) -> tuple[optuna.Study, str, dict[str, str]]:
     """Create or join the study and its MLflow parent run, fail this host's dead trials and (an ablation) queue the
     cells; returns the study, the parent run and the cells finished before (key -> run id).
 
@@ -146,6 +199,10 @@ def set_up_study(spec: StudySpec, plan: Plan, rdb: optuna.storages.RDBStorage, c
     parent_id, recorded = ensure_parent_run(client, study, rdb, spec, uri, artifacts, created)
     retry.client, retry.parent_run_id = client, parent_id
     fail_dead_local_trials(study, rdb, retry)
+    if isinstance(spec, AblationSpec) and isinstance(plan, GridPlan) and spec.sequential.enabled:
+        store_plan(spec, study)  # fixed before the first look; the cells of the looks so far are wanted
+        state = look(spec, study, client, parent_id, console)
+        plan.wanted, plan.looks = (set() if state.problem else state.wanted), state
     done = reconcile_cells(study, plan, client, parent_id) if isinstance(plan, GridPlan) else {}
     if not recorded:
         study.set_user_attr(A.PARENT_RUN, parent_id)
@@ -237,7 +294,7 @@ def ensure_parent_run(client: mlflow.MlflowClient, study: optuna.Study, storage:
 
 
 def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowClient,
-                    parent_id: str) -> dict[str, str]:
+                    parent_id: str, retry_failed: bool = True) -> dict[str, str]:
     """The ablation's queue, cell by cell in run order (seeds slowest, so an interrupted ablation leaves whole
     replicates): workers pop the oldest waiting trial, and a queued trial's values are fixed, never sampled
     (:class:`satlab.studies.plans.QueuedCells`). A cell with no trial yet is queued (``enqueue_trial``; its cell key
@@ -245,7 +302,8 @@ def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowCl
     cell the study has no complete trial for (a parent run from before the study existed, or a grid that grew, whose
     study is new) is entered as COMPLETE; a cell that ran but has no FINISHED run (failed, interrupted, or its run
     deleted to redo it) is queued again, as Optuna's retry does (``failed_trial``). Returns the finished cells
-    (key -> run id)."""
+    (key -> run id). With a sequential plan only the cells its looks want by now are queued (``plan.wanted``), and
+    between looks (``retry_failed`` false) a failed cell is left for the next run of the command."""
     done = finished_cells(client, parent_id)
     by_cell = plan.trials_by_cell(study)
     for cell in plan.spec.run_order():
@@ -257,10 +315,12 @@ def reconcile_cells(study: optuna.Study, plan: GridPlan, client: mlflow.MlflowCl
                     state=TrialState.COMPLETE, value=loss if loss is not None and loss == loss else 0.0, params=params,
                     distributions=plan.distributions(), user_attrs={A.CELL: key, A.RUN_ID: done[key]}))
             continue
+        if plan.wanted is not None and key not in plan.wanted:
+            continue
         if not trials:
             study.enqueue_trial(params, user_attrs={A.CELL: key}, skip_if_exists=True)
             continue
-        if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
+        if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials) or not retry_failed:
             continue
         last = trials[-1]
         study.add_trial(optuna.trial.create_trial(

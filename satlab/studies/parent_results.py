@@ -6,7 +6,8 @@ charts and runs table show them and not only the report artifact:
   over seeds, and the table's p-values ``p`` or ``p_vs_<arch>``), ``variants/<group>/cells`` and ``model_params``;
   ``verdicts/<claim>/<better>_vs_<worse>_p`` (the test the verdict used) and ``_p_holm`` per comparison of a claim;
 - params ``variant.<group>``: the group's axis values (``model.arch=satformer``);
-- tags ``verdict.<claim>``: the claim's outcome (``held``, ``not resolved``...).
+- tags ``verdict.<claim>``: the claim's outcome (``held``, ``not resolved``...), and with a sequential plan
+  ``verdict.sequential.<a>_vs_<b>`` per comparison (a_better, b_better, equivalent, undecided, open).
 
 MLflow's chart view makes a section of everything before a key's last ``/``, so each group and each claim gets one,
 its charts named by the measure; sections sort by name, and ``variants``/``verdicts`` come after ``train`` and
@@ -60,7 +61,10 @@ def result_params(summary: Mapping) -> dict[str, str]:
 
 
 def verdict_tags(summary: Mapping) -> dict[str, str]:
-    return {f"{VERDICT_TAG}{v['key']}": v["outcome"] for v in summary["verdicts"]}
+    """The claims' outcomes and, with a sequential plan, each comparison's (``verdict.sequential.<a>_vs_<b>``)."""
+    sequential = (summary.get("sequential") or {}).get("verdicts", [])
+    return {f"{VERDICT_TAG}{v['key']}": v["outcome"] for v in summary["verdicts"]} | \
+        {v["tag"]: v["outcome"] for v in sequential}
 
 
 def log_results(client: mlflow.MlflowClient, run_id: str, summary: Mapping) -> None:

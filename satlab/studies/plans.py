@@ -167,6 +167,8 @@ class GridPlan:
     def __init__(self, spec: AblationSpec):
         self.spec = spec
         self.cells = {c.key: c for c in spec.cells()}
+        self.wanted: set[str] | None = None  # a sequential plan's cells by now (None: every cell)
+        self.looks: Any = None  # its last replay (satlab.studies.sequential_looks.LookState)
         cells = list(self.cells.values())
         self.colours = group_colours([c.group_values for c in cells], [c.group for c in cells])
 

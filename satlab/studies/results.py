@@ -94,10 +94,7 @@ class GroupResult:
 def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
             measures: Measures = LM_MEASURES) -> list[GroupResult]:
     """Every group of the grid in grid order, those with no finished cell included (empty)."""
-    runs: dict[str, Run] = {}
-    for run in child_runs(client, client.get_run(parent_run_id)):  # oldest first: a rerun cell's newer run wins
-        if CELL_TAG in run.data.tags:
-            runs[run.data.tags[CELL_TAG]] = run
+    runs = cell_runs(client, parent_run_id)
     groups: dict[str, GroupResult] = {}
     seeds = len(spec.axes.get(spec.seed_key, [None]))
     for cell in spec.cells():
@@ -105,6 +102,23 @@ def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
         if cell.key in runs:
             group.cells.append(cell_result(client, cell, runs[cell.key], measures))
     return list(groups.values())
+
+
+def cell_runs(client: mlflow.MlflowClient, parent_run_id: str) -> dict[str, Run]:
+    """Cell key -> its newest FINISHED child run: the cell's record."""
+    runs: dict[str, Run] = {}
+    for run in child_runs(client, client.get_run(parent_run_id)):  # oldest first: a rerun cell's newer run wins
+        if CELL_TAG in run.data.tags:
+            runs[run.data.tags[CELL_TAG]] = run
+    return runs
+
+
+def final_values(runs: dict[str, Run], key: str) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """Per cell the last value of metric ``key`` (as the report's ``last`` columns read it), and the cells whose
+    run never logged it, with the metrics it did log."""
+    values = {cell: run.data.metrics[key] for cell, run in runs.items() if key in run.data.metrics}
+    lacking = {cell: sorted(run.data.metrics) for cell, run in runs.items() if key not in run.data.metrics}
+    return values, lacking
 
 
 def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run, measures: Measures = LM_MEASURES) -> CellResult:

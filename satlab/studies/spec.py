@@ -379,6 +379,7 @@ class AblationSpec(StudySpec):
             if key in self.overrides:
                 problems.append(f"{quoted(key)} is both a fixed override and an axis; keep one")
         problems.extend(self.sequential.problems())
+        problems.extend(self.sequential.grid_problems(self.axes, self.seed_key))
         if self.sequential.enabled and len({c.group for c in self.cells()}) < 2:
             problems.append("sequential: the plan compares groups of cells, but the grid has one; give an axis "
                             "besides the seeds, e.g. model.arch: [transformer, satformer]")
