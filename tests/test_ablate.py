@@ -469,7 +469,11 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
         steps = reached.get(point, [None] * 3)[cell.seed]
         if steps is not None:
             client.log_metric(run.info.run_id, "recall/steps_to_0.9", steps, step=1000)
+        # the time-to-bind at 0.9 here: the step reached, or censored at the budget, 2,000
+        client.log_metric(run.info.run_id, "recall/steps_to_bind", steps or 2000, step=1000)
+        client.log_metric(run.info.run_id, "recall/bound", float(steps is not None), step=1000)
         client.log_param(run.info.run_id, "derived.tokens_per_step", 4096)
+        client.log_param(run.info.run_id, "derived.max_steps", 2000)
         client.set_terminated(run.info.run_id)
     files = write_report(spec, client, parent)
     header, *rows = json.loads(files["summary"].read_text())["table"]
@@ -486,6 +490,14 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
     assert "SATFormer retrieves better than Transformer (held-out accuracy, num_pairs=2): **held**" in markdown
     assert "SATFormer retrieves better than ResFormer (held-out accuracy, num_pairs=4): **contradicted**" in markdown
     assert files["accuracy_vs_difficulty"].exists() and files["loss_curves"].exists()
+    assert partial["steps to bind"] == "1,700 ± 265" and partial["bound"] == "0.67 ± 0.58"
+    assert "## Time to bind" in markdown and files["bind_curves"].exists()
+    bind = {(a["setting"], a["arm"]): a for a in json.loads(files["summary"].read_text())["time_to_bind"]}
+    censored = bind[("num_pairs=4", "SATFormer")]
+    assert (censored["bound"], censored["n"], censored["tau"], censored["median_steps_to_bind"]) == (2, 3, 2000, 1600)
+    assert censored["restricted_mean_steps_to_bind"] == pytest.approx(1700)
+    from satlab.studies.results import RECALL_MEASURES, collect
+    assert {c.budget for g in collect(spec, client, parent, RECALL_MEASURES) for c in g.cells} == {2000}
 
 
 @pytest.mark.process

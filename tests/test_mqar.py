@@ -136,12 +136,14 @@ def test_a_recall_run_stops_at_its_target_accuracy_and_stays_stopped_when_resume
     assert history[0][0] == 0 and history[0][1] < 0.4
     reached = [acc >= 0.4 for _, acc in history]
     assert reached.count(True) == 1 and reached[-1]  # the first validation at the target ended it, logged once
-    assert result.recall["recall/steps_to_bind"] == result.recall["recall/steps_to_0.4"]  # the stop's own threshold
-    assert result.recall["recall/steps_to_bind"] * cfg.train.global_batch_tokens == result.tokens
-    assert result.recall["recall/bound"] == 1.0
-    assert [v for _, v in recall_history(result, "recall/bound")] == [0.0] * (len(history) - 1) + [1.0]
+    stopped_at = result.tokens // cfg.train.global_batch_tokens
+    assert result.recall["recall/steps_to_bind"] == stopped_at and result.recall["recall/bound"] == 1.0
     again = train(cfg, progress=False)
     assert again.tokens == result.tokens and again.recall["recall/acc"] == result.recall["recall/acc"]
+    assert again.recall["recall/steps_to_bind"] == stopped_at and again.recall["recall/bound"] == 1.0
+    # the time-to-bind is logged once, at the last step, and the resumed run adds no second point
+    assert recall_history(result, "recall/steps_to_bind") == [(stopped_at, stopped_at)]
+    assert recall_history(result, "recall/bound") == [(stopped_at, 1.0)]
     loaded = load_checkpoint(result.run_dir)
     assert loaded.tokenizer.kind == "mqar" and loaded.tokenizer.decode([2, 1, 40]) == "k0 = v7"
 
@@ -180,9 +182,34 @@ def test_a_recall_run_that_crashed_resumes_to_the_uninterrupted_runs_weights_and
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(crashing, progress=False, callbacks=[CrashAfter(55)])  # after the checkpoint and validation at 40
     resumed = train(crashing, progress=False)
+    # never at 0.99 (no stop_at_acc: the bind threshold) in 120 steps: censored at the last step, logged once
+    assert resumed.recall["recall/steps_to_bind"] == 120 and resumed.recall["recall/bound"] == 0.0
+    for run in (whole, resumed):
+        assert recall_history(run, "recall/steps_to_bind") == [(120, 120.0)]
+        assert recall_history(run, "recall/bound") == [(120, 0.0)]
     a, b = load_checkpoint(whole.run_dir).model.state_dict(), load_checkpoint(resumed.run_dir).model.state_dict()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
     assert resumed.recall == whole.recall
-    # never at 0.99 in 120 steps: time-to-bind censored at the last step, for the run that crashed as for the other
-    assert whole.recall["recall/bound"] == 0.0 and whole.recall["recall/steps_to_bind"] == 120
+
+
+def test_the_bind_step_survives_a_checkpoint_and_an_unbound_run_is_censored_at_its_step(tmp_path):
+    """The first step at the bind threshold goes into the checkpoint (a run that bound mid-run and was resumed later
+    still reports it); a checkpoint older than the measure falls back on steps_to_<threshold>."""
+    from satlab.config.derived import derive_schedule
+    from satlab.training.module import LMModule
+
+    cfg = recall_config(tmp_path, "data.seq_len=16", "data.mqar.num_pairs=2", "data.mqar.stop_at_acc=null",
+                        "train.micro_batch_size=16", "train.global_batch_tokens=256")
+    schedule = derive_schedule(cfg, world_size=1)
+    module = LMModule(cfg, schedule)
+    assert module.bind_threshold == 0.99 and module.bind_record() == {"recall/steps_to_bind": 0.0, "recall/bound": 0.0}
+    module.bound_at = 300
+    saved: dict = {}
+    module.on_save_checkpoint(saved)
+    restored = LMModule(cfg, schedule)
+    restored.on_load_checkpoint(saved)
+    assert restored.bind_record() == {"recall/steps_to_bind": 300.0, "recall/bound": 1.0}
+    older = LMModule(cfg, schedule)
+    older.on_load_checkpoint({"satlab_train_state": {"recall_reached": {"0.9": 200, "0.99": 700}}})
+    assert older.bound_at == 700

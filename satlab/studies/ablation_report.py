@@ -29,6 +29,7 @@ from satlab.studies.ablation_claims import (
     reference_group,
 )
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
+from satlab.studies.bind_report import BIND_KEY, bind_section
 from satlab.studies.parent_results import log_results, mlflow_name
 from satlab.studies.report_html import markdown_page
 from satlab.studies.results import (
@@ -91,8 +92,9 @@ def group_labels(spec: AblationSpec, groups: Sequence[GroupResult]) -> dict[str,
 
 
 def is_censored(column: Column) -> bool:
-    """Steps to an accuracy: a cell that never reached it logged nothing."""
-    return column.key.startswith("recall/steps_to_")
+    """Steps to an accuracy: a cell that never reached it logged nothing (not so the steps to bind, which every
+    recall run logs, censored at its budget)."""
+    return column.key.startswith("recall/steps_to_") and column.key != BIND_KEY
 
 
 def cell_text(group: GroupResult, column: Column) -> str:
@@ -239,18 +241,21 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     orders = loss_orders(groups) if measures is not RECALL_MEASURES else {}
     budgets = budget_comparison(spec, client, orders) if spec.compare_with and orders else None
     files = write_figures(spec, client, groups, labels, measures, out)
+    bind_lines, bind_summary, bind_figure = bind_section(spec, groups, labels, out)
+    files |= {"bind_curves": bind_figure} if bind_figure else {}
     saturation_lines, saturation = [], None
     if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
         saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
     sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
-                                                      *saturation_lines])
+                                                      *saturation_lines], bind_lines)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
                "budget_comparison": budgets, "saturation": saturation, "sequential": sequential,
+               "time_to_bind": bind_summary,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -288,7 +293,7 @@ def print_results(console: Console, spec: AblationSpec, rows: list[list[str]], v
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
                     measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
-                    budgets: dict[str, dict] | None, saturation: Sequence[str] = ()) -> str:
+                    budgets: dict[str, dict] | None, saturation: Sequence[str] = (), bind: Sequence[str] = ()) -> str:
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
@@ -305,7 +310,9 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "whole vocabulary) on the task's fixed held-out sequences at the end of the run (a run that "
                   "reached its `stop_at_acc` stopped there); best acc: the highest of any validation. Steps to 0.9 / "
                   "0.99: the first validation at that accuracy, as optimizer steps (resolution: the validation "
-                  f"interval), mean over the cells that reached it, (k/n) how many did. p: two-sided Welch t-test "
+                  f"interval), mean over the cells that reached it, (k/n) how many did; steps to bind: every cell's, a "
+                  "cell that never bound counted at its last step (see Time to bind), and bound the fraction that did. "
+                  "p: two-sided Welch t-test "
                   f"over seeds {against}. Answer loss: cross-entropy at the answers.", ""]
     else:
         lines += ["Mean ± sample std over seeds. p: two-sided Welch t-test over seeds against the baseline group (with "
@@ -313,7 +320,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "side has fewer than two values). Throughput is the mean logged tokens/s; memory the "
                   "peak; gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run "
                   "logged (e.g. evaluation not run, or no gates).", ""]
-    lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), ""]
+    lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), "", *bind]
     if verdicts:
         lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
                   "**held**: the claimed order, every step of it significant; **contradicted**: a step significantly "

@@ -1,6 +1,7 @@
 """An ablation's results read back from MLflow: per cell its final metrics, learning curve and gate heatmap, grouped
 over seeds. Only FINISHED child runs count (the newest per cell); a metric a run never logged stays None, shown as
-missing rather than as zero (for ``recall/steps_to_*``: not reached)."""
+missing rather than as zero (for ``recall/steps_to_<t>``: not reached). ``recall/steps_to_bind`` is logged by every
+recall run (censored at its last step when it never bound, ``recall/bound`` 0): :mod:`satlab.studies.bind_report`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ RECALL_MEASURES = Measures((  # an ablation of a synthetic recall task (data.sou
     Column("recall_best", "best acc", "recall/acc", "max", "{:.3f}"),
     Column("steps_to_0.9", "steps to 0.9", "recall/steps_to_0.9", "last", "{:,.0f}"),
     Column("steps_to_0.99", "steps to 0.99", "recall/steps_to_0.99", "last", "{:,.0f}"),
+    Column("steps_to_bind", "steps to bind", "recall/steps_to_bind", "last", "{:,.0f}"),
+    Column("bound", "bound", "recall/bound", "last", "{:.2f}"),
     Column("val_loss", "answer loss", "val/loss", "last", "{:.3f}"),
     Column("tokens_per_sec", "tokens/s", "system/tokens_per_sec", "mean", "{:,.0f}"),
 ), "recall/acc", "held-out recall accuracy")
@@ -66,6 +69,7 @@ class CellResult:
     metrics: dict[str, float | None]
     params: int | None
     curve: list[tuple[float, float]]  # (tokens seen, the curve metric)
+    budget: int | None = None  # the run's optimizer steps at most (derived.max_steps)
 
 
 @dataclass
@@ -133,7 +137,8 @@ def cell_result(client: mlflow.MlflowClient, cell: Cell, run: Run, measures: Mea
     curve = loss_curve(client, run_id, float(params.get("derived.tokens_per_step") or 0),
                        int(params.get("derived.max_steps") or 0), measures.curve_key)
     count = params.get("model.params")
-    return CellResult(cell, run_id, metrics, int(count) if count else None, curve)
+    budget = int(params.get("derived.max_steps") or 0) or None
+    return CellResult(cell, run_id, metrics, int(count) if count else None, curve, budget)
 
 
 def loss_curve(client: mlflow.MlflowClient, run_id: str, tokens_per_step: float,

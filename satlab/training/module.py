@@ -31,6 +31,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 RECALL_THRESHOLDS = (0.9, 0.99)
 """Held-out recall accuracies whose first crossing a recall run records (``recall/steps_to_<t>``)."""
+BIND_THRESHOLD = 0.99
+"""The held-out accuracy at which a recall run counts as bound when it has no ``data.mqar.stop_at_acc``."""
 
 
 class LMModule(L.LightningModule):
@@ -39,7 +41,8 @@ class LMModule(L.LightningModule):
     On a synthetic recall task only the answer positions have targets: the LM head runs there alone
     (``select``), validation also logs the held-out accuracy ``recall/acc``, the first step at which it reaches
     each of :data:`RECALL_THRESHOLDS` (``recall/steps_to_<t>``, ``recall/sequences_to_<t>``), and the run stops
-    at ``data.mqar.stop_at_acc`` (a resumed run that had stopped stays stopped).
+    at ``data.mqar.stop_at_acc`` (a resumed run that had stopped stays stopped). The first step at the bind
+    threshold (:attr:`bind_threshold`) is kept too; :meth:`bind_record` is what the run logs once at its end.
     """
 
     def __init__(self, cfg: ExperimentConfig, schedule: Schedule, tokenizer=None):
@@ -59,6 +62,7 @@ class LMModule(L.LightningModule):
         self.val_correct = torchmetrics.SumMetric()
         self.recall_reached: dict[str, int] = {}  # threshold -> the first step whose validation reached it
         self.reached_stop_acc = False
+        self.bound_at: int | None = None  # the first step whose validation reached bind_threshold
         self.validated_at: int | None = None  # the step of the last validation inside fit
 
     def configure_model(self) -> None:
@@ -166,9 +170,28 @@ class LMModule(L.LightningModule):
             self._log_recall(float(self.val_correct.compute() / count))
             self.val_correct.reset()
 
+    @property
+    def bind_threshold(self) -> float:
+        """The accuracy at which the run counts as bound: ``data.mqar.stop_at_acc``, else :data:`BIND_THRESHOLD`."""
+        stop_at = self.cfg.data.mqar.stop_at_acc
+        return BIND_THRESHOLD if stop_at is None else stop_at
+
+    def bind_record(self) -> dict[str, float]:
+        """The run's time-to-bind, for its end: ``recall/steps_to_bind``, the first step whose held-out accuracy
+        reached :attr:`bind_threshold`, or the current (last) step when none did, i.e. censored at the budget (the
+        restricted time-to-bind, defined for every run, so two runs' values can be subtracted), and
+        ``recall/bound`` (1.0 reached, 0.0 censored). Empty for a text run."""
+        if not self.answers_only:
+            return {}
+        bound = self.bound_at is not None
+        return {"recall/steps_to_bind": float(self.bound_at if bound else self.global_step),
+                "recall/bound": 1.0 if bound else 0.0}
+
     def _log_recall(self, accuracy: float) -> None:
         self.log("recall/acc", accuracy, prog_bar=True)
-        for threshold in sorted({*RECALL_THRESHOLDS, self.bind_threshold}):
+        if accuracy >= self.bind_threshold and self.bound_at is None:
+            self.bound_at = self.global_step
+        for threshold in RECALL_THRESHOLDS:
             key = f"{threshold:g}"
             if accuracy >= threshold and key not in self.recall_reached:
                 self.recall_reached[key] = self.global_step
@@ -179,30 +202,20 @@ class LMModule(L.LightningModule):
         for key, first in self.recall_reached.items():  # logged at every validation, so the last value is the answer
             self.log(f"recall/steps_to_{key}", float(first))
             self.log(f"recall/sequences_to_{key}", float(first * self.schedule.tokens_per_step / self.cfg.data.seq_len))
-        bound_at = self.recall_reached.get(f"{self.bind_threshold:g}")
-        # Time-to-bind restricted to the steps trained so far: the first step at the threshold, else this step (the
-        # run's last validated step once it ends: censored at the budget). Known for every run, bound or not, so
-        # paired differences of it are valid where those of steps_to_<t> (missing when never reached) are not.
-        self.log("recall/steps_to_bind", float(self.global_step if bound_at is None else bound_at))
-        self.log("recall/bound", 0.0 if bound_at is None else 1.0)
-
-    @property
-    def bind_threshold(self) -> float:
-        """The held-out accuracy at which a recall run counts as bound: where it stops, else Zoology's 0.99."""
-        return self.cfg.data.mqar.stop_at_acc or max(RECALL_THRESHOLDS)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is not None:
             checkpoint[CHECKPOINT_KEY] = satlab_entry(self.cfg, self.tokenizer)
         checkpoint["satlab_train_state"] = {"skipped_steps": self.skipped_steps, "rng": rng_state(),
                                             "recall_reached": dict(self.recall_reached),
-                                            "reached_stop_acc": self.reached_stop_acc}
+                                            "reached_stop_acc": self.reached_stop_acc, "bound_at": self.bound_at}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("satlab_train_state", {})
         self.skipped_steps = state.get("skipped_steps", 0)
         self.recall_reached = dict(state.get("recall_reached", {}))
         self.reached_stop_acc = bool(state.get("reached_stop_acc", False))
+        self.bound_at = state.get("bound_at", self.recall_reached.get(f"{self.bind_threshold:g}"))  # older: by 0.99
         if "rng" in state:
             set_rng_state(state["rng"])
 

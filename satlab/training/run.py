@@ -291,7 +291,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                                       f"its last checkpoint is {run_dir / 'checkpoints' / 'last.ckpt'}")
             trainer.save_checkpoint(last, weights_only=False)  # the final state, whatever the interval
             train_loss = trainer.callback_metrics.get("train/loss")
-            final = final_validation(trainer, module, data)
+            final = final_validation(trainer, module, data) | end_of_run_record(trainer, module, logger)
             final_val = float(final["val/loss"])
         except BaseException as error:
             if logger is not None:  # the run stays in MLflow, marked; its checkpoints stay for resume=auto
@@ -331,6 +331,15 @@ def final_validation(trainer: L.Trainer, module: LMModule, data: LMDataModule) -
     if module.validated_at == trainer.global_step:
         return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "recall/"))}
     return trainer.validate(module, datamodule=data, verbose=False)[0]
+
+
+def end_of_run_record(trainer: L.Trainer, module: LMModule, logger) -> dict[str, float]:
+    """A recall run's time-to-bind (:meth:`LMModule.bind_record`), logged once at the final step: a resumed run that
+    had finished logs it at the same step, which the logger sees recorded already and skips."""
+    record = module.bind_record()
+    if record and logger is not None:
+        logger.log_metrics(record, step=trainer.global_step)
+    return record
 
 
 def make_trainer(cfg: ExperimentConfig, schedule: Schedule, run_dir: Path, logger, callbacks: list,

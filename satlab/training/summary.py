@@ -24,6 +24,9 @@ def recall_rows(cfg: ExperimentConfig, recall: dict[str, float]) -> list[tuple[s
         seqs = recall.get(f"recall/sequences_to_{threshold}")
         rows.append((f"first reached {threshold} at", "not reached" if steps is None else
                      f"step {steps:,.0f} ({seqs:,.0f} sequences)"))
+    if (bind := recall.get("recall/steps_to_bind")) is not None:
+        rows.append(("time to bind", f"step {bind:,.0f}" if recall.get("recall/bound") else
+                     f"not bound by step {bind:,.0f} (censored)"))
     return rows
 
 
