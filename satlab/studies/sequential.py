@@ -18,7 +18,8 @@ at each look, verdicts, repeated confidence intervals and the sharing of alpha a
   critical values assume normal ones, and on skewed, tied or two-valued differences (a retrieval run binds or it
   does not) they reject too often at the tiny nominal levels of the early looks. The smallest sign-flip p of n seeds
   is 2^-n: no comparison stops while 2^-n is above its nominal level (with O'Brien-Fleming spending over 3 to 20
-  seeds, not before about 12 seeds; with Pocock's, from about 8). Above :data:`EXACT_SIGN_FLIPS` seeds the t test
+  seeds, not before about 12 seeds; with Pocock's, from about 8); such a look spends nothing and passes its alpha
+  to the next (:func:`boundaries` with ``floor``). Above :data:`EXACT_SIGN_FLIPS` seeds the t test
   stands alone: counting would take seconds per look (two halves of more than 2^20 sums), a Monte Carlo p would
   make the verdict depend on a draw, and by then the early looks' tiny nominal levels are behind a plan whose looks
   start at a handful of seeds, while at later looks the t distribution of a symmetric difference with a finite
