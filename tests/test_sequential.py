@@ -75,6 +75,19 @@ def test_each_boundary_spends_exactly_its_increment(spending, sides):
     assert design.critical(0) > design.z[0]  # t at 2 degrees of freedom needs more than z for the same tail
 
 
+@pytest.mark.parametrize("spending", ["obrien_fleming", "pocock"])
+def test_looks_that_cannot_reject_spend_nothing_and_carry_their_alpha(spending):
+    """The sign-flip check's floor: a look whose nominal level is below 2^-n spends nothing; the next spends what it
+    left, so the whole level is still spent (crossing probabilities sum to it) and no look is alive but unreachable.
+    Pocock-type spending over 3 comparisons: 3 and 5 seeds cannot reject, 8 can with their alpha carried over."""
+    looks, level = (3, 5, 8, 12, 20), 0.025 / 3
+    design = boundaries(looks, level, spending, 2, floor=True)
+    assert sum(crossing(design.z, design.fractions, 2)) == pytest.approx(level, abs=2e-6)
+    assert all(p == 0.0 or p >= 2.0 ** -n for n, p in zip(looks, design.nominal, strict=True))
+    assert design.spent[-1] == level and design.z[:2] == (math.inf, math.inf)
+    assert math.isfinite(design.z[2]) == (spending == "pocock")
+
+
 # Type-I error: 2,000 null studies keep the suite fast; their Monte Carlo standard error at 0.05 is 0.0049, so the
 # bound alpha + 2 MCSE is about 0.060 (the full 10,000-study run is in docs/results/2026-12-04-sequential.md).
 STUDIES = 2000
@@ -138,16 +151,19 @@ def test_the_sign_flip_p_is_the_share_of_sign_vectors_at_least_as_extreme():
 
 
 def test_no_comparison_stops_while_its_seeds_cannot_reach_the_nominal_level():
-    """Every seed favours the first arm by far: the t test alone rejects at the second look (5 seeds, nominal
-    5.1e-4), but five signs give at best p = 1/32, so the verdict waits for the third (8 seeds: 1/256 under 5.9e-3).
-    And over many plans and strong one-sided data: no look rejects where 2^-n is above its nominal level, and every
-    look up to 40 seeds records its exact sign-flip p."""
+    """Every seed favours the first arm by far: the t test alone would reject at the second look (5 seeds, nominal
+    5.1e-4), but five signs give at best p = 1/32, so that look spends nothing (its boundary is infinite, its alpha
+    carried to the third) and the verdict waits for the third (8 seeds: 1/256 under 5.9e-3). And over many plans
+    and strong one-sided data: no look rejects where 2^-n is above its nominal level, and every look up to 40 seeds
+    records its exact sign-flip p."""
     seen = {"a": dict.fromkeys(range(12), 0.0), "b": dict(enumerate(1.0 + 0.01 * np.arange(12)))}
     (verdict,) = evaluate(SequentialPlan(looks=[3, 5, 8, 12]), seen, [("a", "b")])
     assert [r.decision for r in verdict.records] == ["continue", "continue", "a_better"]
-    second = verdict.records[1]
-    assert second.t >= second.critical and second.sign_flip_p == 1 / 32 > second.nominal
+    second, published = verdict.records[1], boundaries((3, 5, 8, 12), 0.025, "obrien_fleming", 2)
+    assert second.t >= published.critical(1) and second.sign_flip_p == 1 / 32 > published.nominal[1]
+    assert second.critical == math.inf and second.nominal == 0.0
     assert verdict.records[0].sign_flip_p == 1 / 8 and verdict.records[2].sign_flip_p == 1 / 256
+    assert verdict.records[2].nominal > published.nominal[2]  # the second look's alpha carried over
     rng = np.random.default_rng(8)
     checked = 0
     for spending, looks, arms in (("obrien_fleming", [3, 5, 8, 12, 20], 4), ("pocock", [3, 5, 8, 12, 20], 4),

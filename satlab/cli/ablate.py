@@ -101,7 +101,7 @@ def print_sequential(spec: AblationSpec, storage: str | None = None) -> None:
                   f"family {p.family}", soft_wrap=True)
     for family in design.families:
         share = p.alpha / p.sides / len(family.comparisons)
-        bounds = boundaries(p.schedule, share, p.spending, p.sides)
+        bounds = boundaries(p.schedule, share, p.spending, p.sides, floor=True)
         table = Table(title=f"family {family.name or 'study'}: {len(family.comparisons)} comparison(s), "
                             f"{share:.4g} a side each to start ({p.sharing} passes a decided one's on)")
         for column in ("look", "seeds", "z boundary", "nominal (one-sided)", "t critical", "alpha spent"):

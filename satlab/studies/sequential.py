@@ -18,7 +18,8 @@ at each look, verdicts, repeated confidence intervals and the sharing of alpha a
   critical values assume normal ones, and on skewed, tied or two-valued differences (a retrieval run binds or it
   does not) they reject too often at the tiny nominal levels of the early looks. The smallest sign-flip p of n seeds
   is 2^-n: no comparison stops while 2^-n is above its nominal level (with O'Brien-Fleming spending over 3 to 20
-  seeds, not before about 12 seeds; with Pocock's, from about 8). Above :data:`EXACT_SIGN_FLIPS` seeds the t test
+  seeds, not before about 12 seeds; with Pocock's, from about 8); such a look spends nothing and passes its alpha
+  to the next (:func:`boundaries` with ``floor``). Above :data:`EXACT_SIGN_FLIPS` seeds the t test
   stands alone: counting would take seconds per look (two halves of more than 2^20 sums), a Monte Carlo p would
   make the verdict depend on a draw, and by then the early looks' tiny nominal levels are behind a plan whose looks
   start at a handful of seeds, while at later looks the t distribution of a symmetric difference with a finite
@@ -149,24 +150,33 @@ def _t_critical(nominal: float, df: int) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def boundaries(looks: tuple[int, ...], level: float, spending: str, sides: int) -> Boundaries:
-    """The Lan-DeMets boundaries of a side of one-sided level ``level`` at the looks (cumulative seed counts)."""
+def boundaries(looks: tuple[int, ...], level: float, spending: str, sides: int, floor: bool = False) -> Boundaries:
+    """The Lan-DeMets boundaries of a side of one-sided level ``level`` at the looks (cumulative seed counts).
+
+    ``floor``: the looks of the sign-flip check (what :func:`evaluate` uses). A look of n seeds whose nominal level
+    would be below 2^-n, the smallest sign-flip p of n seeds, cannot reject: it spends nothing (boundary infinite)
+    and its increment carries over to the next look, as Lan-DeMets spending allows for a look that does not stop.
+    Fixed by the plan before any data, so the error stays at ``level``; without it, Pocock-type spending over 3
+    comparisons would spend half its alpha at looks that cannot reject. Without ``floor``: the published designs."""
     fractions = tuple(n / looks[-1] for n in looks)
     cumulative = [float(spent(spending, t, level)) for t in fractions]
     cumulative[-1] = level  # the whole level is spent at n_max, whatever rounding says
-    recursion, zs, previous = _Recursion(sides), [], 0.0
-    for t, total in zip(fractions, cumulative, strict=True):
+    recursion, zs, previous, spends = _Recursion(sides), [], 0.0, []
+    for n, t, total in zip(looks, fractions, cumulative, strict=True):
         target = total - previous
         if target <= 1e-15:
             b = math.inf
         else:
             b = optimize.brentq(lambda x, t=t, target=target: recursion.upper(x, t) - target, -TAIL, 40.0,
                                 xtol=1e-10)
+            if floor and n <= EXACT_SIGN_FLIPS and stats.norm.sf(b) < 2.0 ** -n:
+                b = math.inf
         zs.append(b)
         recursion.advance(b, t)
-        previous = total
+        previous = previous if math.isinf(b) else total
+        spends.append(previous)
     nominal = tuple(float(stats.norm.sf(b)) for b in zs)
-    return Boundaries(looks, fractions, tuple(zs), nominal, tuple(cumulative))
+    return Boundaries(looks, fractions, tuple(zs), nominal, tuple(spends))
 
 
 def constant_boundary(fractions: Sequence[float], alpha: float, sides: int, delta: float = 0.5) -> float:
@@ -306,7 +316,7 @@ def evaluate(plan: SequentialPlan, observations: Mapping[str, Mapping[object, fl
         if not open_ or any(len(diffs[i]) < n for i in open_):
             break
         for i in open_:
-            design = boundaries(looks, side * weight[i], plan.spending, plan.sides)
+            design = boundaries(looks, side * weight[i], plan.spending, plan.sides, floor=True)
             record = _look(diffs[i], k, design, plan, verdicts[i].name, plan.alpha * weight[i])
             _decide(verdicts[i], record, len(looks))
         if plan.sharing == "holm":
@@ -341,7 +351,7 @@ def _recycle(plan: SequentialPlan, looks: tuple[int, ...], k: int, verdicts: lis
         for j in keep:
             if verdicts[j].outcome not in ("continue", "undecided"):
                 continue  # stopped for equivalence: not tested again
-            design = boundaries(looks, side * weight[j], plan.spending, plan.sides)
+            design = boundaries(looks, side * weight[j], plan.spending, plan.sides, floor=True)
             for look in range(k + 1):
                 record = _look(diffs[j], look, design, plan, verdicts[j].name, plan.alpha * weight[j])
                 if record.decision in ("a_better", "b_better"):
