@@ -450,7 +450,7 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
                            "axes": {"data.mqar.num_pairs": [2, 4],
                                     "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]}})
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parent = create_parent_run(client, spec, None)
+    parent = create_parent_run(client, spec, str(tmp_path / "artifacts"))
     experiment = client.get_run(parent).info.experiment_id
     accuracy = {("transformer", 2): [0.50, 0.51, 0.49], ("resformer", 2): [0.50, 0.52, 0.50],
                 ("satformer", 2): [0.95, 0.97, 0.96],  # a clear win where the others plateau
@@ -533,7 +533,7 @@ def synthetic_two_corpus_report(tmp_path: Path, loss: Callable[[str, str, int, i
 
     spec = spec_from_dict(AblationSpec, TWO_CORPORA | {"name": name, "out_dir": str(tmp_path / name)} | fields)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parent = create_parent_run(client, spec, None)
+    parent = create_parent_run(client, spec, str(tmp_path / "artifacts"))
     experiment = client.get_run(parent).info.experiment_id
     for cell in spec.cells():
         values = dict(cell.values)

@@ -49,7 +49,7 @@ def recorded_ablation(tmp_path: Path, spec_fields: dict[str, Any], loss: Loss = 
     a step) and a retrieval average at the end."""
     spec = spec_from_dict(AblationSpec, {"base": "ablations/tiny_cell", "out_dir": str(tmp_path / "out")} | spec_fields)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parent = create_parent_run(client, spec, None)
+    parent = create_parent_run(client, spec, str(tmp_path / "artifacts"))
     experiment = client.get_run(parent).info.experiment_id
     for cell in spec.cells():
         run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key}).info.run_id

@@ -225,7 +225,8 @@ def test_cli_reports_logs_into_the_checkpoint_run_and_rejects_bad_input(cache, t
                run_dir / "checkpoints" / "last.ckpt")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("eval-test")).info.run_id
+    experiment = client.create_experiment("eval-test", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(experiment).info.run_id
     (run_dir / "run.json").write_text(json.dumps({"mlflow_run_id": run_id, "tracking_uri": uri}))
 
     out = tmp_path / "results.json"

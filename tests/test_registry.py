@@ -102,7 +102,7 @@ def test_a_toy_appears_in_the_ablation_report_under_its_label(toy, tmp_path):
                                          "axes": {"model.arch": ["transformer", "satformer", "toy"],
                                                   "train.seed": [0, 1]}})
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    parent = create_parent_run(client, spec, None)
+    parent = create_parent_run(client, spec, str(tmp_path / "artifacts"))
     experiment = client.get_run(parent).info.experiment_id
     for cell in spec.cells():
         run = client.create_run(experiment, tags={PARENT_TAG: parent, CELL_TAG: cell.key})
