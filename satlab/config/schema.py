@@ -64,6 +64,12 @@ class MQARConfig:
     stop_at_acc: float | None = None
 
     @property
+    def bind_threshold(self) -> float:
+        """The held-out accuracy at which a run counts as bound (``recall/steps_to_bind``): where it stops, else
+        Zoology's 0.99."""
+        return 0.99 if self.stop_at_acc is None else self.stop_at_acc
+
+    @property
     def key_len(self) -> int:
         return 2 if self.layout == "multi_token_key" else 1
 

@@ -31,8 +31,6 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 RECALL_THRESHOLDS = (0.9, 0.99)
 """Held-out recall accuracies whose first crossing a recall run records (``recall/steps_to_<t>``)."""
-BIND_THRESHOLD = 0.99
-"""The held-out accuracy at which a recall run counts as bound when it has no ``data.mqar.stop_at_acc``."""
 
 
 class LMModule(L.LightningModule):
@@ -172,9 +170,8 @@ class LMModule(L.LightningModule):
 
     @property
     def bind_threshold(self) -> float:
-        """The accuracy at which the run counts as bound: ``data.mqar.stop_at_acc``, else :data:`BIND_THRESHOLD`."""
-        stop_at = self.cfg.data.mqar.stop_at_acc
-        return BIND_THRESHOLD if stop_at is None else stop_at
+        """The accuracy at which the run counts as bound (:attr:`satlab.config.schema.MQARConfig.bind_threshold`)."""
+        return self.cfg.data.mqar.bind_threshold
 
     def bind_record(self) -> dict[str, float]:
         """The run's time-to-bind, for its end: ``recall/steps_to_bind``, the first step whose held-out accuracy

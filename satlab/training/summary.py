@@ -25,7 +25,8 @@ def recall_rows(cfg: ExperimentConfig, recall: dict[str, float]) -> list[tuple[s
         rows.append((f"first reached {threshold} at", "not reached" if steps is None else
                      f"step {steps:,.0f} ({seqs:,.0f} sequences)"))
     if (bind := recall.get("recall/steps_to_bind")) is not None:
-        rows.append(("time to bind", f"step {bind:,.0f}" if recall.get("recall/bound") else
+        label = f"time to bind (accuracy {cfg.data.mqar.bind_threshold:g})"
+        rows.append((label, f"step {bind:,.0f}" if recall.get("recall/bound") else
                      f"not bound by step {bind:,.0f} (censored)"))
     return rows
 
