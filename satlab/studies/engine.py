@@ -113,10 +113,9 @@ def _run(spec: StudySpec, plan: Plan, base: ExperimentConfig, rdb: optuna.storag
     view_url = publish_study_view(client, spec, parent_id, uri)
     runner = TrialRunner(spec, plan, study, rdb, client, parent_id, uri, workers, console)
     grid = isinstance(plan, GridPlan)
-    before = f"{len(plan.cells)} cells, {len(done)} finished before, " if grid else f"{plan.n_trials} trial(s) to add, "
-    if grid and plan.wanted is not None:
-        before = f"{len(plan.cells)} cells, {len(plan.wanted)} wanted by the plan's looks so far, " + before[
-            before.index(",") + 2:]
+    wanted = f"{len(plan.wanted)} wanted by the plan's looks so far, " if grid and plan.wanted is not None else ""
+    before = f"{len(plan.cells)} cells, {wanted}{len(done)} finished before, " if grid else \
+        f"{plan.n_trials} trial(s) to add, "
     console.print(f"[bold]{spec.kind}[/] [cyan]{spec.name}[/]: {before}{workers} worker(s), "
                   f"{runner.threads} thread(s) each; storage {safe_url(spec.storage)}; MLflow {uri}, experiment "
                   f"'{spec.experiment_name}', parent run {parent_id}; logs in {runner.logs}", soft_wrap=True)
