@@ -26,7 +26,7 @@ from satlab.training import checkpoint, checkpoint_scan
 from satlab.training.checkpoint import KEY, load_checkpoint, satlab_entry
 from satlab.training.checkpoint_scan import inspect_checkpoint_file, pickle_globals
 from satlab.training.resilience import AtomicCheckpointIO
-from satlab.training.run import run_directory, train
+from satlab.training.run import resume_point, run_folder, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -201,7 +201,8 @@ def test_a_payload_planted_as_last_ckpt_is_set_aside_on_resume_never_run(real_ru
     last = runs / "real" / "checkpoints" / "last.ckpt"
     payload_checkpoint(last, marker)
     unpickled.clear()  # torch.save above pickles; only reads count
-    run_dir, resume_from, _ = run_directory(tiny_config(tmp_path))
+    cfg = tiny_config(tmp_path)
+    resume_from, _ = resume_point(run_folder(cfg), cfg)
     assert resume_from == runs / "real" / "checkpoints" / "step0000002.ckpt"
     assert last.with_name("last.ckpt.corrupt").exists() and not last.exists() and not marker.exists()
     err = capsys.readouterr().err

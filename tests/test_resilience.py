@@ -17,8 +17,9 @@ import mlflow
 import pytest
 import torch
 
-from satlab.config.errors import EXIT_REQUEUE
+from satlab.config.errors import EXIT_REQUEUE, ConfigError
 from satlab.config.loader import load_experiment
+from satlab.training.resilience import RunLock
 from satlab.training.run import TrainingStopped, train
 
 STEPS = 80
@@ -189,6 +190,27 @@ def test_a_corrupt_last_checkpoint_is_kept_aside_and_the_previous_one_is_used(tm
                     progress=False)
     assert (first.run_dir / "checkpoints" / "last.ckpt.corrupt").exists()
     assert resumed.mlflow_run_id == first.mlflow_run_id and resumed.tokens == 40960
+
+
+def test_a_run_refused_by_the_lock_leaves_the_holders_checkpoints_untouched(tmp_path):
+    """The resume choice renames unreadable checkpoints; it must wait for the lock, or a second run reads a
+    checkpoint the holder is deleting in its rotation and renames (or fails to rename) it."""
+    cfg = load_experiment("default", args_for(tmp_path, "held"))
+    checkpoints = Path(cfg.train.out_dir) / "held" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "step0000010.ckpt").write_bytes(b"half written by nobody: unreadable")
+    with RunLock(checkpoints.parent, "held"):
+        with pytest.raises(ConfigError, match=f"another process \\(PID {os.getpid()}\\)"):
+            train(cfg, progress=False)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step0000010.ckpt"]
+
+
+def test_a_run_that_fails_its_checks_leaves_no_folder_behind(tmp_path):
+    cfg = load_experiment("default", args_for(tmp_path, "unreachable", "tracking.uri=http://127.0.0.1:9",
+                                              "tracking.fallback_local=false"))
+    with pytest.raises(ConfigError):
+        train(cfg, progress=False)
+    assert not (tmp_path / "runs").exists()
 
 
 class Diverge(L.Callback):

@@ -34,7 +34,7 @@ from satlab.training.resilience import (
     readable,
     remove_partial_checkpoints,
 )
-from satlab.training.run import check_resumable, run_directory
+from satlab.training.run import check_resumable, resume_point, run_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as meant
 
@@ -158,7 +158,7 @@ def test_an_incomplete_sharded_checkpoint_is_a_clear_error_for_eval_and_resume(t
 
     cfg = config("model_parallel", f"train.out_dir={tmp_path / 'runs'}", "name=shards")
     with pytest.raises(ConfigError, match=r"unreadable or incomplete \(last.ckpt\)"):
-        run_directory(cfg)
+        resume_point(run_folder(cfg), cfg)
     assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", "meta.pt"]  # left as it was
 
 

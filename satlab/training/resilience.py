@@ -66,12 +66,18 @@ class RunLock:
     """An exclusive ``flock`` on ``<run dir>/.lock`` for as long as a process trains the run, so a second ``satlab
     train`` of the same name is refused instead of writing into the same checkpoints and MLflow run. The lock file
     holds the owner's PID for the message; the operating system drops the lock when the process dies, so a
-    SIGKILL never leaves a run locked."""
+    SIGKILL never leaves a run locked. The lock is taken before anything of the run is read or checked; when that
+    fails (a bad input), the folders it created for the lock file are removed again, so nothing is left behind."""
 
     def __init__(self, run_dir: Path, name: str):
         self.path, self.name, self.fd = run_dir / LOCK_FILE, name, None
+        self.created: list[Path] = []  # the folders __enter__ made, innermost first
 
     def __enter__(self) -> RunLock:
+        folder = self.path.parent
+        while not folder.exists():
+            self.created.append(folder)
+            folder = folder.parent
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -88,11 +94,17 @@ class RunLock:
         self.fd = fd
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if self.fd is None:
+            return
+        if exc_type is not None and self.created and not any(p.name != LOCK_FILE for p in self.path.parent.iterdir()):
+            self.path.unlink()  # while still locked: a process waiting for it opens a new file
+            for folder in self.created:
+                if not any(folder.iterdir()):
+                    folder.rmdir()
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
 
 
 class NoSpaceForCheckpoint(RunStopped):
@@ -302,10 +314,9 @@ def readable(path: Path) -> tuple[int | None, str | None]:
 
 def _restore_replaced(checkpoint_dir: Path) -> None:
     """Renames a replaced checkpoint (``.<name>.old-<pid>``) back to its name when a kill between the two renames
-    of :func:`move_into_place` left that name empty: the state just before the replace. (This runs before the run
-    lock is taken, like the rest of the resume choice; a second process that got here while the first one trains
-    is refused by the lock right after, and the first one's names are empty only for the instant between the
-    renames.)"""
+    of :func:`move_into_place` left that name empty: the state just before the replace. Call it holding the run's
+    lock, like the rest of the resume choice: in a run that trains, a name is empty for the instant between the
+    renames."""
     for old in sorted(checkpoint_dir.glob(f".*{REPLACED}*"), key=lambda p: p.stat().st_mtime, reverse=True):
         target = checkpoint_dir / old.name[1:old.name.rindex(REPLACED)]
         if not (target.exists() or target.is_symlink()):

@@ -7,7 +7,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,37 +87,45 @@ class RunResult:
     view_url: str | None = None  # the MLflow UI's comparison of this run's experiment
 
 
-def run_directory(cfg: ExperimentConfig) -> tuple[Path, Path | None, dict]:
-    """(run dir, checkpoint to resume from or None, saved run info). ``resume: auto`` continues ``runs/<name>``
-    from its last readable checkpoint, or starts there when it has none; a run whose every checkpoint is unreadable
-    is refused (they are kept as ``*.corrupt``), never silently restarted. ``never`` starts a new numbered
-    directory rather than touching an earlier run.
-
-    The saved info (``run.json``: the MLflow run and its store) is returned whether or not there is a checkpoint: a
-    run killed before its first checkpoint starts again from step 0 in the same MLflow run, which already holds the
-    points it redoes. The folder's place is not part of the run: ``runs/<name>`` copied to another ``train.out_dir``
-    continues there, with its ``run.json``."""
+def run_folder(cfg: ExperimentConfig) -> Path:
+    """The run's folder: ``runs/<name>`` under ``resume: auto`` (continued when it holds a run), else the first
+    numbered ``runs/<name>-<n>`` without checkpoints, so ``never`` does not touch an earlier run. The folder's place
+    is not part of the run: ``runs/<name>`` copied to another ``train.out_dir`` continues there, with its
+    ``run.json``."""
     base = Path(cfg.train.out_dir) / cfg.name
-    if cfg.train.resume == "auto":
-        info_path = base / RUN_INFO
-        info = json.loads(info_path.read_text()) if info_path.exists() else {}
-        resume_from = find_resume_checkpoint(base / "checkpoints")
-        if resume_from is not None:
-            return base, resume_from, info
-        # what is left under a checkpoint's name now is unusable: files renamed *.corrupt, directories left as they are
-        unusable = sorted(p.name for p in (base / "checkpoints").glob("*") if not p.name.startswith(".")
-                          and p.name.endswith((".corrupt", ".ckpt")))
-        if unusable:
-            raise ConfigError(
-                f"run '{cfg.name}' cannot resume: every checkpoint in {base / 'checkpoints'} is unreadable or "
-                f"incomplete ({', '.join(unusable)}). Nothing was changed: to start it over, remove the folder {base} "
-                "(its MLflow run stays as it is), or train under another name (name=...)")
-        return base, None, info
     run_dir, n = base, 1
-    while (run_dir / "checkpoints").exists():
+    while cfg.train.resume != "auto" and (run_dir / "checkpoints").exists():
         n += 1
         run_dir = base.with_name(f"{cfg.name}-{n}")
-    return run_dir, None, {}
+    return run_dir
+
+
+def resume_point(run_dir: Path, cfg: ExperimentConfig) -> tuple[Path | None, dict]:
+    """(checkpoint to resume from or None, saved run info) of the run in ``run_dir``. Call it holding the run's
+    lock: choosing renames unreadable checkpoints and restores cut-off replaces, which must not race a process that
+    trains the run (its rotation deletes checkpoints while they are read).
+
+    ``resume: auto`` continues from the last readable checkpoint, or starts when there is none; a run whose every
+    checkpoint is unreadable is refused (they are kept as ``*.corrupt``), never silently restarted. The saved info
+    (``run.json``: the MLflow run and its store) is returned whether or not there is a checkpoint: a run killed
+    before its first checkpoint starts again from step 0 in the same MLflow run, which already holds the points it
+    redoes."""
+    if cfg.train.resume != "auto":
+        return None, {}
+    info_path = run_dir / RUN_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    resume_from = find_resume_checkpoint(run_dir / "checkpoints")
+    if resume_from is not None:
+        return resume_from, info
+    # what is left under a checkpoint's name now is unusable: files renamed *.corrupt, directories left as they are
+    unusable = sorted(p.name for p in (run_dir / "checkpoints").glob("*") if not p.name.startswith(".")
+                      and p.name.endswith((".corrupt", ".ckpt")))
+    if unusable:
+        raise ConfigError(
+            f"run '{cfg.name}' cannot resume: every checkpoint in {run_dir / 'checkpoints'} is unreadable or "
+            f"incomplete ({', '.join(unusable)}). Nothing was changed: to start it over, remove the folder {run_dir} "
+            "(its MLflow run stays as it is), or train under another name (name=...)")
+    return None, info
 
 
 def tracking_target(cfg: ExperimentConfig, info: dict) -> tuple[str, str | None] | None:
@@ -228,16 +236,20 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
-    run_dir, ckpt_path, info = run_directory(cfg)
-    target = tracking_target(cfg, info)  # a bad store or server fails before any data is prepared
-    data = LMDataModule(cfg, progress=progress)
-    vocabulary = model_vocabulary(cfg, data.tokenizer)  # what the dry run derives, from the prepared tokenizer
-    cfg = vocabulary.sized(cfg)
-    resume_step = restart_step(run_dir, ckpt_path, info, cfg, data.tokenizer)
-    if ckpt_path is not None:
-        warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
-        warnings.filterwarnings("ignore", message="The dirpath has changed")  # a run folder moved: keep_newest_steps
-    with RunLock(run_dir, cfg.name) if rank_zero_only.rank == 0 else nullcontext(), library_chatter_to(run_dir):
+    run_dir = run_folder(cfg)
+    with ExitStack() as held:
+        if rank_zero_only.rank == 0:  # the lock comes before the checkpoint choice, which renames files
+            held.enter_context(RunLock(run_dir, cfg.name))
+        ckpt_path, info = resume_point(run_dir, cfg)
+        target = tracking_target(cfg, info)  # a bad store or server fails before any data is prepared
+        data = LMDataModule(cfg, progress=progress)
+        vocabulary = model_vocabulary(cfg, data.tokenizer)  # what the dry run derives, from the prepared tokenizer
+        cfg = vocabulary.sized(cfg)
+        resume_step = restart_step(run_dir, ckpt_path, info, cfg, data.tokenizer)
+        if ckpt_path is not None:
+            warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
+            warnings.filterwarnings("ignore", message="The dirpath has changed")  # a run folder moved: keep_newest_steps
+        held.enter_context(library_chatter_to(run_dir))
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
             remove_partial_checkpoints(run_dir / "checkpoints")  # only now: the lock makes them leftovers
