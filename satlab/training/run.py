@@ -248,7 +248,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         resume_step = restart_step(run_dir, ckpt_path, info, cfg, data.tokenizer)
         if ckpt_path is not None:
             warnings.filterwarnings("ignore", message=".*exists and is not empty")  # expected when resuming
-            warnings.filterwarnings("ignore", message="The dirpath has changed")  # a run folder moved: keep_newest_steps
+            warnings.filterwarnings("ignore", message="The dirpath has changed")  # a moved run: keep_newest_steps
         held.enter_context(library_chatter_to(run_dir))
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         if rank_zero_only.rank == 0:
