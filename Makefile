@@ -46,7 +46,7 @@ train: $(STAMP) ## train an experiment: make train [EXP=tiny/transformer] [ARGS=
 	$(VENV)/bin/satlab train experiment=$(EXP) $(ARGS)
 
 test: $(STAMP) ## run the fast test suite (what CI runs), one pytest process per core: make test [TEST_WORKERS=n]
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=40
 
 SEED ?= $(shell date +%s)
 test-random: $(STAMP) ## the fast suite in a shuffled order (pytest-randomly): make test-random [SEED=n] repeats an order

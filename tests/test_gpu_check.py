@@ -22,17 +22,19 @@ STEPS = ["setup", "bench", "train", "resume", "one-rank", "sharded"]
 """Every step of the check, in its order; on the CPU none is skipped (the sharded one runs on 2 gloo ranks)."""
 
 
-CHECKED_ARCHS = "satformer,hyperconnections"
-"""The script's steps run for these two (a gated value path; a depth-mixing stream with its hand-written fast path)
-rather than all ten: what this test guards is the script, every step of it. Every architecture compiled at the
-paper's depth is tests/test_compile.py; every one sharded on two ranks, tests/test_sharding.py."""
+FAST_ARCHS = "satformer"
+"""The fast suite runs the script's steps for one architecture (a gated value path): what this test guards is the
+script, every step of it. ``make test-full`` adds hyperconnections (a depth-mixing stream with its hand-written
+fast path). Every architecture compiled at the paper's depth is tests/test_compile.py; every one sharded on two
+ranks, tests/test_sharding.py."""
 
 
 @pytest.mark.process
-def test_the_gpu_check_passes_every_step_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("archs", [FAST_ARCHS, pytest.param("satformer,hyperconnections", marks=pytest.mark.slow)])
+def test_the_gpu_check_passes_every_step_on_the_cpu(tmp_path: Path, archs: str) -> None:
     out = tmp_path / "gpu_check"
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "GPU_CHECK_BREAK", "DEEP_ARCHS")}
-    env.update(DEVICE="cpu", OUT=str(out), VENV=str(Path(sys.executable).parent.parent), ARCHS=CHECKED_ARCHS)
+    env.update(DEVICE="cpu", OUT=str(out), VENV=str(Path(sys.executable).parent.parent), ARCHS=archs)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=1200)
     printed = proc.stdout[-6000:] + proc.stderr[-2000:]

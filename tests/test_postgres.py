@@ -181,6 +181,7 @@ def launched_trials(url: str, spec_path: Path) -> dict[str, list[optuna.trial.Fr
     return {key: [t for t in cell_trials if t.user_attrs.get(LOG)] for key, cell_trials in trials}
 
 
+@pytest.mark.slow  # ~160 s; the fast suite shares a sweep between two drivers here, and retries a lost trial
 def test_two_hosts_share_an_ablation_grid_one_killed_mid_cell_and_match_one_host(postgres, tmp_path, capsys,
                                                                                  monkeypatch):
     """Two drivers from two working directories share a grid on PostgreSQL; the first is SIGKILLed while it trains
