@@ -136,3 +136,17 @@ def test_the_seed_axis_must_list_n_max_seeds():
     short = make_spec(looks=[3, 5, 8, 12])
     assert "lists 8 seed(s), but the plan may run up to n_max = 12" in \
         short.sequential.seed_problems(short.axes, short.seed_key)[0]
+
+
+def test_the_runs_table_says_which_missing_cells_the_plan_did_not_need():
+    from satlab.studies.ablation_report import render_markdown
+    from satlab.studies.results import measures_for
+
+    spec = make_spec(compare="model.arch")
+    d = S.design(spec)
+    wanted = {c.key for c in S.wanted_cells(spec, d, S.decide(d, S.observations(d, spec.cells(), {})).seeds)}
+    text = render_markdown(spec, [], [["cell"]], [], {}, "run", "sqlite://", measures_for(spec), [], {}, None, wanted=wanted)
+    rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
+    assert len(rows) == len(spec.cells()) and len(wanted) == 18
+    assert all(("not finished" in rows[k]) == (k in wanted) for k in rows)
+    assert all(("not needed by the sequential plan" in rows[k]) == (k not in wanted) for k in rows)

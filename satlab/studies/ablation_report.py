@@ -249,7 +249,8 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
-                                                      *saturation_lines], bind_lines)
+                                                      *saturation_lines], bind_lines,
+                           wanted=None if sequential is None else set(sequential["wanted"]))
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
@@ -293,7 +294,10 @@ def print_results(console: Console, spec: AblationSpec, rows: list[list[str]], v
 def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: list[list[str]],
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
                     measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
-                    budgets: dict[str, dict] | None, saturation: Sequence[str] = (), bind: Sequence[str] = ()) -> str:
+                    budgets: dict[str, dict] | None, saturation: Sequence[str] = (), bind: Sequence[str] = (),
+                    wanted: set[str] | None = None) -> str:
+    """The report's Markdown. ``wanted``: the cells a sequential plan has asked for so far (None: every cell); the
+    Runs table says of the others that the plan did not need them, rather than that they did not finish."""
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
@@ -367,7 +371,8 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
     for cell in spec.cells():
         result = results.get(cell.key)
         value = None if result is None else result.metrics.get(headline.name)
-        run = "not finished" if result is None else f"`{result.run_id}`"
+        run = f"`{result.run_id}`" if result is not None else "not finished" if wanted is None or cell.key in wanted \
+            else "not needed by the sequential plan"
         lines.append(f"| `{cell.key}` | {run} | {'—' if value is None else headline.fmt.format(value)} |")
     return "\n".join(lines) + "\n"
 

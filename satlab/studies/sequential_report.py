@@ -43,6 +43,7 @@ def sequential_summary(spec: AblationSpec, client: mlflow.MlflowClient, parent_r
     plan = spec.sequential
     return {"plan": plan.fixed(), "families": [f.name or "study" for f in design.families],
             "waiting_for": schedule.waiting_for, "verdicts": verdicts,
+            "wanted": [c.key for c in S.wanted_cells(spec, design, schedule.seeds)],
             "looks": recorded_looks(None, client, parent_run_id),
             "replay_problem": client.get_run(parent_run_id).data.tags.get(REPLAY_TAG)}
 
