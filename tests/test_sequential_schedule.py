@@ -145,7 +145,8 @@ def test_the_runs_table_says_which_missing_cells_the_plan_did_not_need():
     spec = make_spec(compare="model.arch")
     d = S.design(spec)
     wanted = {c.key for c in S.wanted_cells(spec, d, S.decide(d, S.observations(d, spec.cells(), {})).seeds)}
-    text = render_markdown(spec, [], [["cell"]], [], {}, "run", "sqlite://", measures_for(spec), [], {}, None, wanted=wanted)
+    text = render_markdown(spec, [], [["cell"]], [], {}, "run", "sqlite://", measures_for(spec), [], {}, None,
+                           wanted=wanted)
     rows = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
     assert len(rows) == len(spec.cells()) and len(wanted) == 18
     assert all(("not finished" in rows[k]) == (k in wanted) for k in rows)
