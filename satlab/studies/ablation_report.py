@@ -295,6 +295,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                     measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
                     budgets: dict[str, dict] | None, saturation: Sequence[str] = (), bind: Sequence[str] = ()) -> str:
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
+    axes += f", the union of {len(spec.grids)} sub-grids of them ({len(spec.cells())} cells)" if spec.grids else ""
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
              f"Base experiment `{spec.base}`; fixed overrides: {fixed}.", "",
