@@ -4,12 +4,15 @@ section on synthetic finished results, and the spec's ``grids`` and ``lr_transfe
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
+from satlab.cli.main import main
 from satlab.config.errors import ConfigError
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.lr_transfer import ABOVE, INTERIOR, NO_MINIMUM, fit_quadratic, optimum, series_verdict
@@ -155,3 +158,43 @@ def test_report_section_on_synthetic_results(tmp_path: Path) -> None:
     assert "**transfers**" in "\n".join(lr_transfer_section(spec, good, tmp_path)[0])
     off = transfer_spec(lr_transfer={})
     assert lr_transfer_section(off, groups, tmp_path) == ([], None, None)
+
+
+def write_summary(tmp_path: Path) -> Path:
+    """A finished study's summary.json, its lr_transfer entry from the report section on synthetic results."""
+    spec = transfer_spec(overrides={"train.max_tokens": 4096})
+    groups = finished_groups(spec, {(32, 2): -9.0, (64, 2): -9.1, (128, 2): -8.9, (32, 4): -9.05})
+    _, transfer, _ = lr_transfer_section(spec, groups, tmp_path)
+    transfer["sweep"]["commit"] = "abc123"
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"name": "t", "parent_run_id": "run42", "lr_transfer": transfer}))
+    return path
+
+
+def test_transfer_dry_run_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = write_summary(tmp_path)
+    out = tmp_path / "preset.yaml"
+    args = ["transfer", str(summary), "--target", "default", "--arch", "transformer", "--out", str(out)]
+    assert main([*args, "--dry-run"]) == 0
+    assert not out.exists() and "optim:" in capsys.readouterr().out
+    assert main(args) == 0
+    text = out.read_text()
+    data = yaml.safe_load(text)
+    assert data["base"] == "default" and data["optim"]["lr"] == pytest.approx(2 ** -9, rel=0.1)
+    assert data["model"] == {"parametrization": "completep", "base_width": 32, "base_depth": 2, "depth_alpha": 1.0}
+    assert "parent run run42, commit abc123" in text and "4,096 tokens per run" in text
+    assert "tokens per parameter" in text and "do not cover another" in text
+
+
+@pytest.mark.parametrize("bad", [["--arch", "satformer"], ["--target", "no_such_preset"], ["--study", "missing"]])
+def test_transfer_bad_input_writes_nothing(tmp_path: Path, bad: list[str], capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    summary = write_summary(tmp_path)
+    out = tmp_path / "preset.yaml"
+    study = str(tmp_path / "nowhere") if bad[0] == "--study" else str(summary)
+    args = {"--target": "default", "--arch": "transformer"}
+    if bad[0] != "--study":
+        args[bad[0]] = bad[1]
+    argv = ["transfer", study, "--out", str(out)] + [x for kv in args.items() for x in kv]
+    assert main(argv) == 2
+    assert not out.exists() and "error" in capsys.readouterr().err

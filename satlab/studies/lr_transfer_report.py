@@ -45,7 +45,7 @@ def _bound(value: float) -> str:
 
 def optimum_text(o: Optimum) -> str:
     interval = "no interval" if o.interval is None else f"[{_bound(o.interval[0])}, {_bound(o.interval[1])}]"
-    return (f"{o.lr:.2e} {interval}" if o.status == INTERIOR else o.status) + ""
+    return f"{o.lr:.2e} {interval}" if o.status == INTERIOR else f"{o.status} {interval}"
 
 
 def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
@@ -163,7 +163,8 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
              f"beyond it). The interval is the {level} percentile bootstrap ({plan.resamples} resamples, seed "
              f"{plan.seed}) resampling the seeds within each learning rate (expanded for few seeds: "
              "docs/lr-transfer.md). A series transfers when every shape's interval lies within "
-             f"±{plan.tolerance:g} octave of the base shape's optimum (base: {shape_label(plan.base, plan.shape_keys)}). "
+             f"±{plan.tolerance:g} octave of the base shape's optimum "
+             f"(base: {shape_label(plan.base, plan.shape_keys)}). "
              f"Each run: {record['max_tokens']:,} tokens in batches of {record['global_batch_tokens']:,}"
              + (f", {record['tokens_per_param']:.1f} tokens per parameter at the base shape"
                 if record["tokens_per_param"] else "") + ". A transferred learning rate holds for this horizon "
