@@ -149,6 +149,7 @@ def test_report_section_on_synthetic_results(tmp_path: Path) -> None:
     assert figure is not None and figure.stat().st_size > 0
     series = summary["series"][0]
     assert series["base_log2_lr"] == pytest.approx(-9.0, abs=0.1)
+    assert [s["seeds"] for s in series["shapes"].values()] == [3, 2, 2, 2]  # every seed of every point fitted
     assert series["shapes"]["d_model=32 n_layers=4"]["log2_lr"] == pytest.approx(-7.5, abs=0.1)
     assert series["width_shift"] == pytest.approx(0.1, abs=0.15)
     assert series["depth_shift"] == pytest.approx(1.5, abs=0.15)
