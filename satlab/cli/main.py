@@ -17,6 +17,7 @@ COMMANDS = {
     "eval": ("eval", "evaluate a checkpoint with lm-eval: the offline suite, the paper's groups or any task"),
     "ablate": ("ablate", "run or resume an ablation grid of experiments/ablations/*.yml (make ablate, make reproduce)"),
     "report": ("report", "write an ablation's report (markdown, HTML, MLflow artifacts) from its runs"),
+    "transfer": ("transfer", "write a preset at the learning rate an LR-transfer study found at its base shape"),
 }
 
 

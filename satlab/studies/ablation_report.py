@@ -30,6 +30,7 @@ from satlab.studies.ablation_claims import (
 )
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
 from satlab.studies.bind_report import BIND_KEY, bind_section
+from satlab.studies.lr_transfer_report import lr_transfer_section
 from satlab.studies.parent_results import log_results, mlflow_name
 from satlab.studies.report_html import markdown_page
 from satlab.studies.results import (
@@ -243,20 +244,24 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     files = write_figures(spec, client, groups, labels, measures, out)
     bind_lines, bind_summary, bind_figure = bind_section(spec, groups, labels, out)
     files |= {"bind_curves": bind_figure} if bind_figure else {}
+    transfer_lines, transfer, transfer_figure = lr_transfer_section(spec, groups, out)
+    files |= {"lr_transfer": transfer_figure} if transfer_figure else {}
+    if transfer is not None:  # the commit the sweep ran at, for `satlab transfer` to record
+        transfer["sweep"]["commit"] = client.get_run(parent_run_id).data.tags.get("git_revision")
     saturation_lines, saturation = [], None
     if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
         saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
     sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
-                                                      *saturation_lines], bind_lines,
+                                                      *saturation_lines], [*bind_lines, *transfer_lines],
                            wanted=None if sequential is None else set(sequential["wanted"]))
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
                "budget_comparison": budgets, "saturation": saturation, "sequential": sequential,
-               "time_to_bind": bind_summary,
+               "time_to_bind": bind_summary, "lr_transfer": transfer,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -299,6 +304,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
     """The report's Markdown. ``wanted``: the cells a sequential plan has asked for so far (None: every cell); the
     Runs table says of the others that the plan did not need them, rather than that they did not finish."""
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
+    axes += f", the union of {len(spec.grids)} sub-grids of them ({len(spec.cells())} cells)" if spec.grids else ""
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
     lines = [f"# Ablation `{spec.name}`", "", *([spec.description, ""] if spec.description else []),
              f"Base experiment `{spec.base}`; fixed overrides: {fixed}.", "",

@@ -110,6 +110,10 @@ def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = 
         overrides = {k: v for k, v in spec.overrides.items() if k not in space}
         enqueue = [flatten_mapping(p) if isinstance(p, Mapping) else p for p in spec.enqueue]
         spec = dataclasses.replace(spec, space=space, overrides=overrides, enqueue=enqueue)
+    if isinstance(spec, AblationSpec):  # sub-grids and the base shape written nested (model: {d_model: ...})
+        grids = [flatten_mapping(g) if isinstance(g, Mapping) else g for g in spec.grids]
+        transfer = dataclasses.replace(spec.lr_transfer, base=flatten_mapping(spec.lr_transfer.base))
+        spec = dataclasses.replace(spec, grids=grids, lr_transfer=transfer)
     problems.extend(f"{source}: {p}" for p in spec.problems())
     if problems:
         raise ConfigError(problems)

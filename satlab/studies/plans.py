@@ -176,7 +176,8 @@ class GridPlan:
         """Another budget or setting is another study. So is another grid: Optuna fixes a parameter's choices
         within a study (a grown axis would be refused), and the new grid's study adopts the cells MLflow records as
         finished (:func:`satlab.studies.engine.reconcile_cells`), so more seeds or values keep those."""
-        grid = hashlib.sha256(json.dumps(self.spec.axes, default=str).encode()).hexdigest()[:8]
+        layout = [self.spec.axes, self.spec.grids] if self.spec.grids else self.spec.axes
+        grid = hashlib.sha256(json.dumps(layout, default=str).encode()).hexdigest()[:8]
         return f"{self.spec.name}.{self.spec.fingerprint()}.{grid}"
 
     def sampler(self) -> optuna.samplers.BaseSampler:

@@ -100,9 +100,10 @@ def collect(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id: str,
     """Every group of the grid in grid order, those with no finished cell included (empty)."""
     runs = cell_runs(client, parent_run_id)
     groups: dict[str, GroupResult] = {}
-    seeds = len(spec.axes.get(spec.seed_key, [None]))
-    for cell in spec.cells():
-        group = groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, seeds))
+    cells = spec.cells()
+    seeds = {c.group: sum(d.group == c.group for d in cells) for c in cells}  # sub-grids may differ in seeds
+    for cell in cells:
+        group = groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, seeds[cell.group]))
         if cell.key in runs:
             group.cells.append(cell_result(client, cell, runs[cell.key], measures))
     return list(groups.values())

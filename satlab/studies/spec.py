@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import quoted, shown, unknown_name
 from satlab.config.loader import load_experiment, name_characters
+from satlab.config.lr_transfer import LRTransferPlan
 from satlab.config.resolve import folder, resolve
 from satlab.config.schema import MAX_TOKENS, ExperimentConfig
 from satlab.config.sequential import SequentialPlan
@@ -316,6 +317,11 @@ class AblationSpec(StudySpec):
     saturation: SaturationGuard = field(default_factory=lambda: SaturationGuard(threshold=None))
     # A group-sequential plan (satlab.config.sequential); off without looks: the seed axis is then fixed.
     sequential: SequentialPlan = field(default_factory=SequentialPlan)
+    # A union of sub-grids: each entry narrows some axes to a subset of their values (the others keep all of
+    # theirs); the grid is every cell of the full product that some entry selects, in the product's order.
+    grids: list[dict[str, Any]] = field(default_factory=list)
+    # The report's learning-rate transfer section (satlab.config.lr_transfer); off without lr_key.
+    lr_transfer: LRTransferPlan = field(default_factory=LRTransferPlan)
 
     def default_out(self) -> Path:
         return self.out_of(self.name)
@@ -346,11 +352,18 @@ class AblationSpec(StudySpec):
         cells = []
         for combo in itertools.product(*self.axes.values()):
             values = tuple(zip(keys, combo, strict=True))
+            if self.grids and not any(self.selects(grid, values) for grid in self.grids):
+                continue
             slug = ",".join(f"{short[k]}={_SLUG_UNSAFE.sub('-', format_value(v))}" for k, v in values)
             cells.append(Cell(values, self.seed_key, slug))
         if len({c.slug for c in cells}) < len(cells):  # values that only differ in unsafe characters
             cells = [dataclasses.replace(c, slug=f"{i:03d}-{c.slug}") for i, c in enumerate(cells)]
         return cells
+
+    @staticmethod
+    def selects(grid: Mapping[str, Any], values: Sequence[tuple[str, Any]]) -> bool:
+        """Whether the sub-grid ``grid`` (axis -> the values it keeps) holds the cell of ``values``."""
+        return all(format_value(v) in map(format_value, grid[k]) for k, v in values if k in grid)
 
     def run_order(self) -> list[Cell]:
         """The cells in the order they run: seed by seed, so an interrupted ablation leaves whole replicates."""
@@ -378,6 +391,8 @@ class AblationSpec(StudySpec):
                                 f"one column of the grid, so give it once: {shown(choices)}")
             if key in self.overrides:
                 problems.append(f"{quoted(key)} is both a fixed override and an axis; keep one")
+        problems.extend(self.grid_problems())
+        problems.extend(self.lr_transfer.problems(self.axes, self.seed_key))
         problems.extend(self.sequential.problems())
         problems.extend(self.sequential.grid_problems(self.axes, self.seed_key))
         if self.sequential.enabled and len({c.group for c in self.cells()}) < 2:
@@ -394,6 +409,29 @@ class AblationSpec(StudySpec):
             elif isinstance(self.axes[key], list) and format_value(value) not in map(format_value, self.axes[key]):
                 problems.append(f"baseline {quoted(key)} = {shown(value)} is not among the axis values "
                                 f"{shown(self.axes[key])}")
+        return problems
+
+
+    def grid_problems(self) -> list[str]:
+        """Each sub-grid of ``grids`` narrows axes to values they have; none with a sequential plan (its looks add
+        seeds to whole axes)."""
+        problems = []
+        if self.grids and self.sequential.enabled:
+            problems.append("grids cannot be combined with a sequential plan: its looks add seeds to the whole grid")
+        for i, grid in enumerate(self.grids):
+            if not isinstance(grid, Mapping) or not grid:
+                problems.append(f"grids[{i}] must map axes to lists of their values, got {shown(grid)}")
+                continue
+            for key, values in grid.items():
+                if key not in self.axes:
+                    problems.append(unknown_name(f"grids[{i}] key (not an axis)", key, self.axes))
+                elif not isinstance(values, list) or not values:
+                    problems.append(f"grids[{i}]: {quoted(key)} must be a non-empty list of its axis values, "
+                                    f"got {shown(values)}")
+                elif isinstance(self.axes[key], list) and (
+                        bad := [v for v in values if format_value(v) not in map(format_value, self.axes[key])]):
+                    problems.append(f"grids[{i}]: {quoted(key)} value {shown(bad[0])} is not among the axis values "
+                                    f"{shown(self.axes[key])}: the axes list every value, a sub-grid picks some")
         return problems
 
 

@@ -1,0 +1,198 @@
+"""The "Learning-rate transfer" section of an ablation's report, for a spec with an ``lr_transfer:`` block: per
+series (the values of the axes other than the learning rate, the shape and the seed: an architecture under a
+parametrisation) a table of its shapes with the optimum learning rate, its bootstrap interval and its distance from
+the base shape's optimum in octaves, the verdict, and one panel per series of the loss-vs-LR curves with each
+fitted minimum marked. The numbers (:mod:`satlab.studies.lr_transfer`) also go to summary.json's ``lr_transfer``,
+which ``satlab transfer`` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from satlab.studies.ablation_claims import arch_names  # noqa: E402
+from satlab.studies.lr_transfer import INTERIOR, Optimum, optimum, series_verdict  # noqa: E402
+from satlab.studies.results import GroupResult  # noqa: E402
+from satlab.studies.spec import AblationSpec, format_value  # noqa: E402
+
+TRANSFER_KEYS = ("model.parametrization", "model.base_width", "model.base_depth", "model.depth_alpha")
+"""The fields a parametrisation derives the rest from: recorded with the study, written by ``satlab transfer``."""
+
+
+def series_label(values: dict[str, Any]) -> str:
+    names = arch_names()
+    return ", ".join(names.get(v, str(v)) if k == "model.arch" else f"{k.rsplit('.', 1)[-1]}={format_value(v)}"
+                     for k, v in values.items()) or "all"
+
+
+def shape_label(values: dict[str, Any], keys: Sequence[str]) -> str:
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={format_value(values[k])}" for k in keys)
+
+
+def _bound(value: float) -> str:
+    return "below sweep" if value == -math.inf else "above sweep" if value == math.inf else f"{2 ** value:.2e}"
+
+
+def optimum_text(o: Optimum) -> str:
+    interval = "no interval" if o.interval is None else f"[{_bound(o.interval[0])}, {_bound(o.interval[1])}]"
+    return f"{o.lr:.2e} {interval}" if o.status == INTERIOR else f"{o.status} {interval}"
+
+
+def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
+    """Per series: its shapes' optima (with the points they were fitted to) and the verdict; a shape with fewer
+    than three learning rates with a finished cell is left out."""
+    plan = spec.lr_transfer
+    keys = plan.shape_keys
+    others = [k for k in spec.group_axes() if k != plan.lr_key and k not in keys]
+    found: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        losses = group.samples("val_loss")
+        if not losses:
+            continue
+        series = found.setdefault(series_label({k: group.values[k] for k in others}),
+                                  {"values": {k: group.values[k] for k in others}, "shapes": {}})
+        shape = series["shapes"].setdefault(shape_label(group.values, keys),
+                                            {"values": {k: group.values[k] for k in keys}, "points": {},
+                                             "params": group.params})
+        shape["points"][float(group.values[plan.lr_key])] = losses
+    base = shape_label(plan.base, keys)
+    out = []
+    for label, series in found.items():
+        optima = {}
+        for name, shape in series["shapes"].items():
+            if len(shape["points"]) >= 3 and sum(map(len, shape["points"].values())) >= 4:
+                optima[name] = optimum(shape["points"], plan.level, plan.resamples, plan.seed)
+        on = {name: series["shapes"][name]["values"] for name in optima}
+        width = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.depth_keys)),
+                       key=lambda n: [on[n][k] for k in plan.width_keys])
+        depth = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.width_keys)),
+                       key=lambda n: [on[n][k] for k in plan.depth_keys])
+        verdict = series_verdict(optima, base, width, depth, plan.tolerance)
+        out.append({"label": label, "values": series["values"], "base": base, "optima": optima,
+                    "shapes": series["shapes"], "width_series": width, "depth_series": depth, "verdict": verdict})
+    return out
+
+
+def series_rows(entry: dict[str, Any], tolerance: float) -> list[list[str]]:
+    reference = entry["verdict"].base_log2_lr
+    rows = [["shape", "seeds", "params", "optimum LR [interval]", "log2 LR*", "octaves from base",
+             f"interval within ±{tolerance:g}"]]
+    for name, o in entry["optima"].items():
+        octaves = "—" if o.log2_lr is None or reference is None else f"{o.log2_lr - reference:+.2f}"
+        params = entry["shapes"][name]["params"]
+        rows.append([name + (" (base)" if name == entry["base"] else ""), str(o.seeds),
+                     f"{params:,}" if params else "—", optimum_text(o),
+                     "—" if o.log2_lr is None else f"{o.log2_lr:.2f}", octaves,
+                     "—" if reference is None else "yes" if name not in entry["verdict"].outside else "no"])
+    return rows
+
+
+def curves_figure(entries: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """One panel per series: each shape's final losses (dots, one per seed), its fitted quadratic over the swept
+    range and its minimum (a star, with the interval as a bar; none when it has no interior minimum)."""
+    if not entries:
+        return None
+    columns = min(3, len(entries))
+    rows = -(-len(entries) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.0 * rows), squeeze=False)
+    for ax in grid.flat[len(entries):]:
+        ax.axis("off")
+    for ax, entry in zip(grid.flat, entries, strict=False):
+        for i, (name, o) in enumerate(entry["optima"].items()):
+            color = plt.get_cmap("tab10")(i % 10)
+            points = entry["shapes"][name]["points"]
+            xs = [math.log2(lr) for lr, ys in points.items() for _ in ys]
+            ax.scatter(xs, [y for ys in points.values() for y in ys], s=10, color=color, alpha=0.6)
+            grid_x = np.linspace(min(xs), max(xs), 100)
+            ax.plot(grid_x, o.fit.a + o.fit.b * grid_x + o.fit.c * grid_x ** 2, color=color, label=name)
+            if o.log2_lr is not None:
+                y = o.fit.a + o.fit.b * o.log2_lr + o.fit.c * o.log2_lr ** 2
+                ax.plot([o.log2_lr], [y], marker="*", markersize=12, color=color, markeredgecolor="black")
+                if o.interval is not None:
+                    low, high = (max(o.interval[0], min(xs)), min(o.interval[1], max(xs)))
+                    ax.plot([low, high], [y, y], color=color, linewidth=3, alpha=0.5)
+        ax.set(title=f"{entry['label']}: {entry['verdict'].outcome}", xlabel="log2(learning rate)",
+               ylabel="final validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def sweep_record(spec: AblationSpec, entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What a transferred learning rate depends on besides the parametrisation: the tokens per run, the batch, the
+    tokens per parameter at the base shape, and the study's own parametrisation fields."""
+    cfg = spec.base_config()
+    params = next((e["shapes"][e["base"]]["params"] for e in entries if e["base"] in e["shapes"]
+                   and e["shapes"][e["base"]]["params"]), None)
+    fixed = {k: v for k, v in spec.overrides.items() if k in TRANSFER_KEYS}
+    return {"max_tokens": cfg.train.max_tokens, "global_batch_tokens": cfg.train.global_batch_tokens,
+            "seq_len": cfg.data.seq_len, "base_params": params,
+            "tokens_per_param": cfg.train.max_tokens / params if params else None, "fixed": fixed}
+
+
+def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: Path) \
+        -> tuple[list[str], dict[str, Any] | None, Path | None]:
+    """(markdown lines, summary.json entry, figure) of the section; empty when the spec has no ``lr_transfer``."""
+    plan = spec.lr_transfer
+    if not plan.enabled:
+        return [], None, None
+    entries = analyse(spec, groups)
+    figure = curves_figure(entries, out / "lr_transfer.png", f"{spec.name}: final validation loss against the "
+                           "learning rate, quadratic fits, minima (stars) with their intervals")
+    record = sweep_record(spec, entries)
+    level = f"{plan.level * 100:g} %"
+    lines = ["## Learning-rate transfer", "",
+             f"Per shape, a least-squares quadratic of the final validation loss against log2(`{plan.lr_key}`) "
+             f"over every finished seed; its minimum is the optimum, given only inside the swept range (\"no "
+             f"interior minimum\" when the fit curves down, \"below/above the swept range\" when its vertex is "
+             f"beyond it). The interval is the {level} percentile bootstrap ({plan.resamples} resamples, seed "
+             f"{plan.seed}) resampling the seeds within each learning rate (expanded for few seeds: "
+             "docs/lr-transfer.md). A series transfers when every shape's interval lies within "
+             f"±{plan.tolerance:g} octave of the base shape's optimum "
+             f"(base: {shape_label(plan.base, plan.shape_keys)}). "
+             f"Each run: {record['max_tokens']:,} tokens in batches of {record['global_batch_tokens']:,}"
+             + (f", {record['tokens_per_param']:.1f} tokens per parameter at the base shape"
+                if record["tokens_per_param"] else "") + ". A transferred learning rate holds for this horizon "
+             "and batch only.", ""]
+    summary: dict[str, Any] = {"plan": {"lr_key": plan.lr_key, "base": plan.base, "level": plan.level,
+                                        "tolerance": plan.tolerance, "resamples": plan.resamples},
+                               "sweep": record, "series": []}
+    for entry in entries:
+        v = entry["verdict"]
+        shifts = "; ".join(f"{name} series {'—' if s is None else f'{s:+.2f}'} octaves from smallest to largest"
+                           for name, s in (("width", v.width_shift), ("depth", v.depth_shift)))
+        lines += [f"### {entry['label']}", "",
+                  pd.DataFrame(series_rows(entry, plan.tolerance)[1:],
+                               columns=series_rows(entry, plan.tolerance)[0]).to_markdown(
+                      index=False, disable_numparse=True), "",
+                  f"**{v.outcome}**" + (f" (outside: {', '.join(v.outside)})" if v.outside else "")
+                  + f"; shift of the optimum: {shifts}.", ""]
+        summary["series"].append({
+            "label": entry["label"], "values": entry["values"], "base": entry["base"], "outcome": v.outcome,
+            "base_log2_lr": v.base_log2_lr, "base_lr": None if v.base_log2_lr is None else 2 ** v.base_log2_lr,
+            "outside": list(v.outside), "width_shift": v.width_shift, "depth_shift": v.depth_shift,
+            "shapes": {name: {"values": entry["shapes"][name]["values"], "status": o.status, "log2_lr": o.log2_lr,
+                              "interval": None if o.interval is None else list(o.interval), "seeds": o.seeds,
+                              "no_minimum_share": o.no_minimum_share, "params": entry["shapes"][name]["params"],
+                              "fit": [o.fit.a, o.fit.b, o.fit.c]}
+                       for name, o in entry["optima"].items()}})
+    if not entries:
+        lines += ["No shape has finished cells at three learning rates yet.", ""]
+    if figure is not None:
+        lines += ["![learning-rate transfer](lr_transfer.png)", ""]
+    return lines, summary, figure
