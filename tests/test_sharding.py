@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from filelock import FileLock
 
+from satlab.config.schema import OptimConfig
 from satlab.models import ARCHITECTURES, build_model
 from satlab.training.module import parameter_groups
 from satlab.training.parallel import checkpoint_blocks, compile_blocks, shard_model
@@ -54,7 +55,7 @@ def prepared(arch: str, mode: str, mesh=None) -> torch.nn.Module:
 
 def train_losses(model: torch.nn.Module, rows: slice = slice(None)) -> list[float]:
     """AdamW steps on ``rows`` of each batch; the loss of the whole batch (mean over ranks when distributed)."""
-    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1, False, 3e-3, 1.0), lr=3e-3)
+    optimizer = torch.optim.AdamW(parameter_groups(model, OptimConfig(weight_decay=0.1, lr=3e-3)), lr=3e-3)
     losses = []
     for batch in batches():
         idx, targets = batch[rows, :-1], batch[rows, 1:]

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from satlab.config.archs.satformer import SATFormerOptions
 from satlab.config.gate_functions import apply_gate_fn
 from satlab.models.architecture import register
+from satlab.models.parametrization import INPUT, SCALAR, ParamClass, ParamDecl
 
 
 class SATFormerGate(nn.Module):
@@ -20,7 +21,15 @@ class SATFormerGate(nn.Module):
     parameter through the same gate function. ``detach_v1`` stops the gradient into layer 0 through this path.
     """
 
-    lr_group = "gate"  # optim.gate_lr_multiplier applies to these parameters
+    lr_group = "gate"  # optim.gate_lr_multiplier applies to these parameters, on top of what their class derives
+
+    @property
+    def param_classes(self) -> dict[str, ParamDecl]:
+        """The projection reads the width out to a few gates per head (output-like; hidden when per channel: d ->
+        d_kv); its bias is one per gate (a vector over the width per channel); static gates are scalars."""
+        channel = self.granularity == "token_channel"
+        weight = ParamDecl(ParamClass.HIDDEN if channel else ParamClass.OUTPUT, std=lambda model, cfg: cfg.init_std)
+        return {"proj.weight": weight, "proj.bias": INPUT if channel else SCALAR, "static": SCALAR}
 
     def __init__(self, d_model: int, n_kv_heads: int, head_dim: int, options: SATFormerOptions, init_std: float):
         super().__init__()
