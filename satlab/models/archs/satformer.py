@@ -25,11 +25,14 @@ class SATFormerGate(nn.Module):
 
     @property
     def param_classes(self) -> dict[str, ParamDecl]:
-        """The projection reads the width out to a few gates per head (output-like; hidden when per channel: d ->
-        d_kv); its bias is one per gate (a vector over the width per channel); static gates are scalars."""
-        channel = self.granularity == "token_channel"
-        weight = ParamDecl(ParamClass.HIDDEN if channel else ParamClass.OUTPUT, std=lambda model, cfg: cfg.init_std)
-        return {"proj.weight": weight, "proj.bias": INPUT if channel else SCALAR, "static": SCALAR}
+        """The projection reads the width out to one gate per KV head (``token_head``): with the head dim fixed the
+        head count grows with the width, so both of its dimensions grow (hidden, as mup's shape rule has it); to one
+        gate (``token``: output-like); to one per channel (``token_channel``: d -> d_kv, hidden). Its bias is one per
+        gate (input-like where their number grows); static gates are scalars."""
+        grows = self.granularity in ("token_head", "token_channel")
+        weight = ParamDecl(ParamClass.HIDDEN if grows else ParamClass.OUTPUT, std=lambda model, cfg: cfg.init_std)
+        return {"proj.weight": weight, "proj.bias": INPUT if grows else SCALAR,
+                "static": INPUT if self.granularity == "static_head" else SCALAR}
 
     def __init__(self, d_model: int, n_kv_heads: int, head_dim: int, options: SATFormerOptions, init_std: float):
         super().__init__()
