@@ -156,7 +156,8 @@ def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
         torch.manual_seed(0)
         modules.append(LMModule(cfg, schedule))
     plain, bench_loop, lightning = modules
-    optimizer = torch.optim.AdamW(parameter_groups(plain.model, optim, cfg.model), betas=tuple(optim.betas), eps=optim.eps)
+    optimizer = torch.optim.AdamW(parameter_groups(plain.model, optim, cfg.model), betas=tuple(optim.betas),
+                                  eps=optim.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, schedule.warmup_steps, schedule.max_steps, optim.min_lr_ratio))
     for idx, targets in loader:

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from satlab.config.archs.denseformer import dwa_sources
 from satlab.models.architecture import MixingWeight, register
-from satlab.models.parametrization import SCALAR, ParamDecl
 from satlab.models.depth_buffer import depth_buffer
+from satlab.models.parametrization import SCALAR, ParamDecl
 from satlab.models.streams import DepthContext, ResidualStream
 
 
