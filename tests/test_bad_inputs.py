@@ -57,6 +57,13 @@ TRAIN_CASES = [
      ["stop_at_acc", "(0, 1]", "1.5"]),
     ("data mix on a synthetic source", ["data.source=synthetic:mqar", "data.mix.recall=0.1"],
      ["data.mix", "synthetic source"]),
+    ("unknown parametrisation", ["model.parametrization=mupp"], ["mupp", "did you mean 'mup'", "completep, mup, sp"]),
+    ("depth alpha above 1", ["model.depth_alpha=2"], ["model.depth_alpha must be in [0.5, 1], got 2", "CompleteP"]),
+    ("depth alpha below 0.5", ["model.depth_alpha=0.25"], ["model.depth_alpha", "[0.5, 1]", "0.25"]),
+    ("zero base width", ["model.base_width=0"], ["model.base_width must be an integer in [1, 65,536], got 0"]),
+    ("zero base depth", ["model.base_depth=0"], ["model.base_depth must be an integer in [1, 4,096], got 0"]),
+    ("base width in no whole number of heads", ["model.parametrization=completep", "model.base_width=100"],
+     ["model.base_width=100", "head dim d_model/n_heads = 32", "multiples of 32"]),
     ("negative MLP width", ["model.mlp_hidden=-1"],
      ["model.mlp_hidden must be an integer in [0, 1,048,576], got -1; 0 means no MLP sublayer"]),
     ("run name that climbs out of the runs folder", ["name=../evil"], ["'../evil'", "letters, digits"]),
@@ -223,6 +230,29 @@ def test_resuming_with_another_tokenizer_is_refused(tmp_path, capsys):
                          "train.max_tokens=1024"], tmp_path, capsys)
     assert code == 2 and "data.tokenizer.kind: byte -> bpe" in err and "train.resume=never" in err
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs_before
+
+
+@pytest.mark.parametrize("change", [["model.parametrization=completep"], ["model.base_width=64"],
+                                    ["model.depth_alpha=0.5"]], ids=["parametrization", "base width", "alpha"])
+def test_resuming_with_another_parametrisation_is_refused(tmp_path, capsys, change):
+    """A run's learning rates, inits and multipliers follow its parametrisation and base shape: continuing it under
+    others would be another experiment, refused (exit 2) with nothing written."""
+    from satlab.config.loader import load_experiment
+    from satlab.training.run import train
+
+    small = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+             "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4",
+             "train.global_batch_tokens=256", "train.max_tokens=256", "train.val_tokens=256", "name=param",
+             "eval.at_end=false", "model.parametrization=mup", "model.base_width=32", "model.base_depth=2"]
+    argv = isolated(tmp_path, *small)
+    train(load_experiment("default", argv[1:]), progress=False)
+    files = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*")
+                   if p.name != ".lock")
+    code, err = run_cli([*argv, *change, "train.max_tokens=512"], tmp_path, capsys)
+    key = change[0].split("=")[0]
+    assert code == 2 and f"{key}: " in err.split("a resume may change only")[0], err
+    assert files == sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*")
+                           if p.name != ".lock")
 
 
 def test_resuming_a_finished_run_with_another_model_is_refused_and_leaves_it_as_it_was(tmp_path, capsys):

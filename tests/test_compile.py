@@ -59,6 +59,29 @@ def test_every_architecture_compiles_a_few_graphs_that_serve_every_depth():
     assert graphs() == total
 
 
+def test_completep_compiles_once_for_every_depth():
+    """Under completep the branch multiplier changes with the depth: it is a tensor, not a float that dynamo would
+    guard on, so 24 layers reuse the graphs of 11 (and their weights and multipliers differ from sp's)."""
+    torch._dynamo.reset()
+    counters.clear()
+    idx = torch.randint(0, 101, (2, 16))
+    completep = dict(CFG, parametrization="completep", base_width=16, base_depth=3)
+    models = []
+    for arch in ARCHITECTURES:
+        models.append(build_model(dict(arch=arch, n_layers=11, **completep)))
+        compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
+        step(models[-1], idx)
+    assert 0 < graphs() <= MOST_GRAPHS * len(ARCHITECTURES)
+    total = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for arch in ARCHITECTURES:
+            models.append(build_model(dict(arch=arch, n_layers=24, **completep)))
+            compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
+            step(models[-1], idx)
+    assert graphs() == total
+    assert models[-1].multipliers.branch != models[len(ARCHITECTURES) - 1].multipliers.branch
+
+
 def test_the_reference_mixing_compiles_the_whole_depth_loop_in_one_graph():
     """With ``model.mixing_impl=reference`` (what ``auto`` resolves to on a GPU) compile_blocks compiles the depth
     loop too, the blocks traced inline, so that inductor can fuse the mixing between them: it matches eager, makes

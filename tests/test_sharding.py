@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from filelock import FileLock
 
+from satlab.config.schema import OptimConfig
 from satlab.models import ARCHITECTURES, build_model
 from satlab.training.module import parameter_groups
 from satlab.training.parallel import checkpoint_blocks, compile_blocks, shard_model
@@ -28,7 +29,10 @@ from satlab.training.parallel import checkpoint_blocks, compile_blocks, shard_mo
 DEPTH = 11  # the paper's small model
 CFG = dict(d_model=32, n_layers=DEPTH, n_heads=4, n_kv_heads=2, mlp_hidden=64, vocab_size=97, max_seq_len=64)
 STEPS, BATCH, SEQ, WORLD = 3, 4, 16, 2
-MODES = ("eager", "compiled", "checkpointed")
+MODES = ("eager", "compiled", "checkpointed", "completep")
+"""``completep``: compiled, under CompleteP (the branch multiplier a buffer of each sharded block, the per-group
+learning rates and epsilons of its table)."""
+COMPLETEP = dict(parametrization="completep", base_width=16, base_depth=3)
 VIEW_WARNING = "returned a view tensor"
 """FSDP2's warning for a sharded block that returns a view (which no block does; see Attention's docstring)."""
 
@@ -42,10 +46,10 @@ def batches() -> list[torch.Tensor]:
 def prepared(arch: str, mode: str, mesh=None) -> torch.nn.Module:
     """The model as ``configure_model`` leaves it: checkpoint wrappers, then compile, then FSDP2 when ``mesh``."""
     torch.manual_seed(0)
-    model = build_model(dict(arch=arch, **CFG))
+    model = build_model(dict(arch=arch, **CFG, **(COMPLETEP if mode == "completep" else {})))
     if mode == "checkpointed":
         checkpoint_blocks(model)
-    if mode == "compiled":
+    if mode in ("compiled", "completep"):
         compile_blocks(model, backend="aot_eager", fullgraph=True, whole_loop=mesh is None)
     if mesh is not None:
         shard_model(model, mesh, "32-true")
@@ -54,7 +58,7 @@ def prepared(arch: str, mode: str, mesh=None) -> torch.nn.Module:
 
 def train_losses(model: torch.nn.Module, rows: slice = slice(None)) -> list[float]:
     """AdamW steps on ``rows`` of each batch; the loss of the whole batch (mean over ranks when distributed)."""
-    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1, False, 3e-3, 1.0), lr=3e-3)
+    optimizer = torch.optim.AdamW(parameter_groups(model, OptimConfig(weight_decay=0.1, lr=3e-3)), lr=3e-3)
     losses = []
     for batch in batches():
         idx, targets = batch[rows, :-1], batch[rows, 1:]
@@ -123,12 +127,15 @@ def sharded_losses(tmp_path_factory) -> dict:
 def test_fsdp2_on_two_ranks_trains_every_architecture_to_the_single_process_losses(sharded_losses, arch):
     torch.set_num_threads(1)
     single = train_losses(prepared(arch, "eager"))
+    torch.manual_seed(0)
+    single_completep = train_losses(build_model(dict(arch=arch, **CFG, **COMPLETEP)))  # eager, one process
     for mode in MODES:
         losses = sharded_losses[f"{arch}/{mode}"]
         assert not isinstance(losses, str), f"{mode}: {losses}"
         assert not sharded_losses["views"][f"{arch}/{mode}"], mode
-        assert losses == pytest.approx(single, abs=2e-5), mode
-    assert single[-1] < single[0]
+        assert losses == pytest.approx(single_completep if mode == "completep" else single, abs=2e-5), mode
+    assert single[-1] < single[0] and single_completep[-1] < single_completep[0]
+    assert single_completep != single
 
 
 def saved_activation_bytes(model: torch.nn.Module, idx: torch.Tensor) -> int:

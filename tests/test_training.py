@@ -13,6 +13,7 @@ import torch
 
 from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
+from satlab.config.schema import OptimConfig
 from satlab.models import ARCHITECTURES, build_model
 from satlab.training.checkpoint import load_checkpoint
 from satlab.training.module import lr_factor, parameter_groups
@@ -86,18 +87,18 @@ def test_weight_decay_skips_norms_and_static_mixing_weights_unless_decay_all():
     model = build_model(dict(arch="hyperconnections", d_model=32, n_layers=2, n_heads=2, mlp_hidden=64,
                              vocab_size=64, max_seq_len=64))
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = parameter_groups(model, 0.1, decay_all=False, lr=1e-3, gate_lr_multiplier=1.0)
+    groups = parameter_groups(model, OptimConfig(weight_decay=0.1, lr=1e-3))
     decayed = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     assert "blocks.0.attn.q_proj.weight" in decayed and "embed.weight" in decayed
     assert not {n for n in decayed if "norm" in n or "static" in n}
-    everything = parameter_groups(model, 0.1, decay_all=True, lr=1e-3, gate_lr_multiplier=1.0)
+    everything = parameter_groups(model, OptimConfig(weight_decay=0.1, decay_all=True, lr=1e-3))
     assert all(g["weight_decay"] == 0.1 for g in everything)
 
 
 def test_gate_parameters_get_their_own_learning_rate():
     model = build_model(dict(arch="satformer", d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, vocab_size=64,
                              max_seq_len=64))
-    groups = parameter_groups(model, 0.1, decay_all=False, lr=1e-3, gate_lr_multiplier=10.0)
+    groups = parameter_groups(model, OptimConfig(weight_decay=0.1, lr=1e-3, gate_lr_multiplier=10.0))
     gate = model.blocks[1].attn.value_path.proj.weight
     lrs = {g["lr"] for g in groups if any(p is gate for p in g["params"])}
     assert lrs == {1e-2}
@@ -155,8 +156,8 @@ def test_a_lightning_step_equals_a_bare_adamw_step_with_norm_clipping():
         torch.manual_seed(0)
         modules.append(LMModule(cfg, schedule))
     plain, bench_loop, lightning = modules
-    optimizer = torch.optim.AdamW(parameter_groups(plain.model, optim.weight_decay, optim.decay_all, optim.lr,
-                                                   optim.gate_lr_multiplier), betas=tuple(optim.betas), eps=optim.eps)
+    optimizer = torch.optim.AdamW(parameter_groups(plain.model, optim, cfg.model), betas=tuple(optim.betas),
+                                  eps=optim.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, schedule.warmup_steps, schedule.max_steps, optim.min_lr_ratio))
     for idx, targets in loader:

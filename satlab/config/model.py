@@ -38,6 +38,14 @@ the custom autograd functions written for a CPU (fewer passes over memory, the b
 ``auto``: the hand-written functions on a CPU, the reference anywhere else. Each function decides per call from its
 input's device, not once when the model is built: models are built on the CPU and moved to the GPU afterwards
 (Lightning, the bench). ``docs/implementations.md`` lists the functions that have both forms."""
+PARAMETRIZATIONS = ("sp", "mup", "completep")
+"""``model.parametrization``: how initialisation, learning rates, AdamW's epsilon and weight decay, and a few forward
+multipliers follow the width and depth relative to ``model.base_width`` and ``model.base_depth``. ``sp``: the standard
+parametrisation (the spec's numbers, the bases ignored); ``mup``: μP (Tensor Programs V), a learning rate tuned at the
+base width holds at other widths; ``completep``: μP plus CompleteP's depth rules (Dey et al. 2025, the residual
+branches scaled by (base_depth / n_layers)^depth_alpha), a learning rate that holds across width and depth. The rules
+and what they do not cover are in ``docs/parametrization.md``; they are derived in
+:mod:`satlab.models.parametrization`."""
 MAX_VOCAB = 10**7
 """The largest vocabulary (of a model, a tokenizer, a synthetic task): far inside the uint32 the token ids are stored
 in."""
@@ -54,6 +62,10 @@ class BackboneConfig:
     (64 token ids, ``tests/test_models.py``, slow; with 4,096 ids it had not started by step 300: each value's row
     of an untied head is learned on its own). In language-model training with recall documents mixed in, the same
     change did not bring copying earlier (``experiments/recall/``).
+
+    ``parametrization`` (``sp``, ``mup``, ``completep``) with ``base_width``, ``base_depth`` and ``depth_alpha``
+    sets how init, learning rates and a few multipliers follow the model's shape (:data:`PARAMETRIZATIONS`,
+    ``docs/parametrization.md``); under ``sp`` the three others are ignored and nothing changes.
 
     ``mixing_impl`` chooses how the depth loops compute their mixing (hyper-connections, mHC, MUDDFormer, DenseFormer,
     AttnRes): the plain formulas (``reference``), the CPU's hand-written autograd functions (``handwritten``), or by
@@ -79,6 +91,12 @@ class BackboneConfig:
                                                                           note="; null means model.init_std"))
     tie_embeddings: bool = True
     mixing_impl: str = field(default="auto", metadata={"choices": MIXING_IMPLS})
+    parametrization: str = field(default="sp", metadata={"choices": PARAMETRIZATIONS})
+    base_width: int = field(default=128, metadata=in_range(1, 65_536, note="; the d_model the learning rate is "
+                                                                            "tuned at"))
+    base_depth: int = field(default=6, metadata=in_range(1, 4096, note="; the n_layers the learning rate is tuned at"))
+    depth_alpha: float = field(default=1.0, metadata=in_range(0.5, 1, note="; CompleteP's exponent: 1 is CompleteP, "
+                                                                           "0.5 the square-root depth scaling"))
 
     @property
     def head_dim(self) -> int:
@@ -136,11 +154,24 @@ def model_config_problems(cfg: Any) -> list[str]:
         )
     elif cfg.head_dim % 2:
         problems.append(f"head dim d_model/n_heads = {cfg.head_dim} must be even for RoPE")
+    if not problems:
+        problems.extend(parametrization_problems(cfg))
     for arch in ARCH_SPECS.values():
         options = arch.options_of(cfg)
         if options is not None and hasattr(options, "problems"):
             problems.extend(options.problems(cfg))
     return problems
+
+
+def parametrization_problems(cfg: Any) -> list[str]:
+    """Under ``mup`` or ``completep``, a base width that is not a whole number of heads of the model's head dim: the
+    width multiplier d_model / base_width then compares models no head count can give (``sp`` ignores the bases)."""
+    if cfg.parametrization == "sp" or cfg.base_width % cfg.head_dim == 0:
+        return []
+    valid = ", ".join(str(cfg.head_dim * k) for k in (1, 2, 4, 8, 16))
+    return [f"model.base_width={cfg.base_width} is not a whole number of heads of the model's head dim "
+            f"d_model/n_heads = {cfg.head_dim} (model.parametrization={cfg.parametrization} compares widths in "
+            f"heads of that size); valid base widths are multiples of {cfg.head_dim}, e.g. {valid}"]
 
 
 def _divisors(n: int) -> list[int]:

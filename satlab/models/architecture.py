@@ -35,12 +35,17 @@ def no_shared(cfg: Any) -> nn.Module | None:
 class Architecture(ArchSpec):
     """The declaration (:class:`~satlab.config.archs.ArchSpec`) and its implementation: ``stream``, the depth loop;
     ``value_path``, layer n's value path (or None); ``value_shared``, per-forward weights shared by the value paths;
-    ``mixing_weights``, its static mixing weights for plots, from a built model (default: its depth loop's)."""
+    ``mixing_weights``, its static mixing weights for plots, from a built model (default: its depth loop's);
+    ``residual_branches``: its blocks add their sublayers' outputs to a residual, so CompleteP's depth rules apply
+    (``model.parametrization``; False for AttnRes, whose softmax read over depth already weights each branch by its
+    share). The classes of the parameters it adds are declared by its modules (``param_classes``, see
+    :mod:`satlab.models.parametrization`)."""
 
     stream: type[ResidualStream] = ResidualStream
     value_path: Callable[[Any, int], nn.Module | None] = no_value_path
     value_shared: Callable[[Any], nn.Module | None] = no_shared
     mixing_weights: Callable[[Any], dict[str, MixingWeight]] | None = None
+    residual_branches: bool = True
 
 
 @dataclass

@@ -14,10 +14,15 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from satlab.models.cache import LayerKVCache
+from satlab.models.parametrization import HIDDEN, INPUT, SCALAR, ParamClass, ParamDecl, branch_output_std
+
+BRANCH_OUTPUT = ParamDecl(ParamClass.HIDDEN, std=branch_output_std)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension; ``elementwise_affine=False`` gives the scale-free norm MUDD uses."""
+
+    param_classes = {"weight": INPUT}
 
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, impl: str = "auto"):
         super().__init__()
@@ -165,14 +170,20 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class SwiGLU(nn.Module):
+    param_classes = {"gate_proj.weight": HIDDEN, "up_proj.weight": HIDDEN, "down_proj.weight": BRANCH_OUTPUT}
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, out_scale: Tensor | None = None) -> Tensor:
+        """``out_scale``: CompleteP's branch multiplier, folded into the down projection's weight."""
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if out_scale is None:
+            return self.down_proj(hidden)
+        return F.linear(hidden, self.down_proj.weight * out_scale)  # CompleteP: the branch x m_L^-alpha
 
 
 class AttentionOutput(NamedTuple):
@@ -192,7 +203,14 @@ class Attention(nn.Module):
     pre-backward hook), and FSDP2 hands a block its tensor inputs as views of themselves. So layer 0 hands V_1 on as
     the projection's own output, (B, T, n_kv_heads * head_dim), viewed per head where it is used, and later layers
     return None in its place instead of their V_1 input (the depth loop keeps layer 0's).
+
+    ``attn_scale`` is the attention-logit scale (None: SDPA's 1/sqrt(d_head); μP sets 1/d_head, a float that only
+    changes with the head dim, which changes the shapes anyway).
     """
+
+    param_classes = {"q_proj.weight": HIDDEN, "k_proj.weight": HIDDEN, "v_proj.weight": HIDDEN,
+                     "o_proj.weight": BRANCH_OUTPUT, "q_norm.weight": SCALAR, "k_norm.weight": SCALAR}
+    # the per-head QK-norm gains (head dim, fixed) are scalars here, whatever RMSNorm declares of its own gain
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None):
         super().__init__()
@@ -206,6 +224,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, impl=cfg.mixing_impl)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, impl=cfg.mixing_impl)
         self.value_path = value_path
+        self.attn_scale: float | None = None
 
     def forward(
         self,
@@ -217,7 +236,9 @@ class Attention(nn.Module):
         v1_weight: Tensor | None = None,
         cache: LayerKVCache | None = None,
         tokens: Tensor | None = None,
+        out_scale: Tensor | None = None,
     ) -> AttentionOutput:
+        """``out_scale``: CompleteP's branch multiplier, folded into the output projection's weight."""
         B, T, _ = hq.shape
         q = self.q_proj(hq).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(hk).view(B, T, self.n_kv_heads, self.head_dim)
@@ -243,9 +264,12 @@ class Attention(nn.Module):
             elif T == 1:
                 causal = False
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads,
+            scale=self.attn_scale,  # μP: 1/d_head where set
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if out_scale is not None:  # CompleteP: the branch x m_L^-alpha, in the projection's weight
+            return AttentionOutput(F.linear(y, self.o_proj.weight * out_scale), first_v1, gate)
         return AttentionOutput(self.o_proj(y), first_v1, gate)
 
 
@@ -259,6 +283,11 @@ class Block(nn.Module):
     ``separate_kv_norms`` gives the key and value inputs their own RMSNorm (MUDDFormer feeds q, k and v from
     different aggregates); otherwise one norm feeds all three. ``mlp_hidden=0`` leaves the MLP sublayer out
     (attention-only blocks, as in Zoology's associative-recall models): ``feedforward`` then adds nothing.
+
+    Under ``completep`` both sublayers' outputs are multiplied by the branch multiplier m_L^-alpha
+    (:meth:`set_branch_multiplier`), in every ``part``, so every depth loop gets it. It is a tensor (a non-persistent
+    buffer), not a float attribute: dynamo guards a float attribute's value, and the multiplier changes with the
+    depth, so a float would compile the block again per depth.
     """
 
     def __init__(self, cfg, layer_idx: int, value_path: nn.Module | None, mlp_hidden: int,
@@ -271,18 +300,32 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_idx, value_path)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl) if mlp_hidden > 0 else None
         self.mlp = SwiGLU(cfg.d_model, mlp_hidden) if mlp_hidden > 0 else None
+        self.register_buffer("branch_scale", None, persistent=False)  # a 0-dim tensor once set (below)
+        self.branch_value = 1.0
+
+    def set_branch_multiplier(self, value: float) -> None:
+        """Multiply both sublayers' outputs by ``value`` (CompleteP's m_L^-alpha); 1 leaves the block as it is."""
+        self.branch_value = float(value)
+        if value != 1.0:
+            self.register_buffer("branch_scale", torch.tensor(float(value)), persistent=False)
+
+    def init_weights(self) -> None:
+        """Refill the branch multiplier (a non-persistent buffer: empty after a model built on the meta device is
+        materialised)."""
+        if self.branch_scale is not None and self.branch_scale.device.type != "meta":
+            self.branch_scale.fill_(self.branch_value)
 
     def _attend(self, xq: Tensor, rope, v1, v1_weight, cache, xk: Tensor | None, xv: Tensor | None,
                 tokens: Tensor | None) -> AttentionOutput:
         hq = self.attn_norm(xq)
         hk = hq if xk is None else self.attn_norm_k(xk)
         hv = hq if xv is None else self.attn_norm_v(xv)
-        return self.attn(hq, hk, hv, rope, v1, v1_weight, cache, tokens)
+        return self.attn(hq, hk, hv, rope, v1, v1_weight, cache, tokens, self.branch_scale)
 
     def _feedforward(self, x: Tensor) -> Tensor:
         if self.mlp is None:
             return torch.zeros_like(x)
-        return self.mlp(self.mlp_norm(x))
+        return self.mlp(self.mlp_norm(x), self.branch_scale)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, v1: Tensor | None = None,
                 v1_weight: Tensor | None = None, cache: LayerKVCache | None = None, tokens: Tensor | None = None,

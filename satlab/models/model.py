@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from satlab.models.cache import KVCache
-from satlab.models.layers import RMSNorm, Rotary
+from satlab.models.layers import RMSNorm, Rotary, rms_norm
+from satlab.models.parametrization import INPUT, ParamClass, ParamDecl, multipliers, own_std, parameter_table
 from satlab.models.streams import DepthContext
 
 
@@ -24,7 +25,13 @@ class DecoderLM(nn.Module):
     ``value_paths[i]`` is layer i's value path (None: attend with V_i unchanged); ``value_shared`` computes
     per-forward weights shared across layers (the learnable ResFormer); ``stream`` is the depth loop;
     ``architecture`` the registry entry it was built from.
+
+    ``model.parametrization`` (:mod:`satlab.models.parametrization`): building derives the parameter table (and fails
+    on a parameter no module declares), re-initialises what μP re-scales, and sets the forward multipliers.
     """
+
+    param_classes = {"embed.weight": INPUT,
+                     "lm_head.weight": ParamDecl(ParamClass.OUTPUT, std=own_std, logits=True)}
 
     def __init__(self, cfg, stream: nn.Module, value_paths: list[nn.Module | None], value_shared: nn.Module | None,
                  architecture=None):
@@ -38,6 +45,11 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, impl=cfg.mixing_impl)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.multipliers = multipliers(cfg, architecture)
+        for block in self.blocks:
+            block.set_branch_multiplier(self.multipliers.branch)  # CompleteP: residual branches x m_L^-alpha
+            block.attn.attn_scale = self.multipliers.attention  # μP: attention logits / d_head
+        self.param_rules = parameter_table(self, cfg)  # refuses a parameter no module declares
         self.init_weights()
         self.register_load_state_dict_pre_hook(_scalars_as_vectors)
 
@@ -61,6 +73,10 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "init_weights"):
                 module.init_weights()
+        params = dict(self.named_parameters())
+        for name, rule in self.param_rules.items():
+            if rule.init_std is not None:  # μP: the init std its class derives from the base width's
+                nn.init.normal_(params[name], std=rule.init_std)
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -81,7 +97,11 @@ class DecoderLM(nn.Module):
         x = self.stream(self.embed(idx), ctx)
         if select is not None:
             x = x[select]
-        logits = nn.functional.linear(self.norm(x), self.lm_head_weight)
+        if self.multipliers.logits != 1.0:  # μP: logits x 1/m_w, folded into the final norm's gain
+            h = rms_norm(x, self.norm.weight * self.multipliers.logits, self.norm.eps, self.norm.impl)
+        else:
+            h = self.norm(x)
+        logits = nn.functional.linear(h, self.lm_head_weight)
         return ModelOutput(logits, ctx.gates if return_gates else None)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:

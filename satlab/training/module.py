@@ -16,6 +16,7 @@ from satlab.config.derived import Schedule
 from satlab.config.schema import ExperimentConfig
 from satlab.data.mqar import IGNORE_INDEX
 from satlab.models import build_model
+from satlab.models.parametrization import parameter_table
 from satlab.training.checkpoint import KEY as CHECKPOINT_KEY
 from satlab.training.checkpoint import satlab_entry
 from satlab.training.parallel import checkpoint_blocks, compile_blocks, shard_model
@@ -218,7 +219,7 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self):
         optim = self.cfg.optim
-        groups = parameter_groups(self.model, optim.weight_decay, optim.decay_all, optim.lr, optim.gate_lr_multiplier)
+        groups = parameter_groups(self.model, optim, self.cfg.model)
         optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                       fused=self.device.type == "cuda" or None)
         s = self.schedule
@@ -228,23 +229,32 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def parameter_groups(model, weight_decay: float, decay_all: bool, lr: float, gate_lr_multiplier: float):
-    """AdamW groups: decay matrices only (not norms, gains, biases or the variants' static mixing weights) unless
-    ``decay_all``; the parameters of modules in the ``gate`` learning-rate group (SATFormer's gates, declared by
-    their module) get ``gate_lr_multiplier`` × lr."""
+def parameter_groups(model, optim_cfg, model_cfg=None) -> list[dict]:
+    """AdamW groups with their own ``lr``, ``weight_decay`` and ``eps``, from ``optim_cfg`` (an
+    :class:`~satlab.config.schema.OptimConfig`) and the parametrisation of ``model_cfg`` (default ``model.cfg``).
+
+    Weight decay applies to matrices only (not norms, gains, biases or the variants' static mixing weights) unless
+    ``optim.decay_all``. Each parameter's learning rate, decay and epsilon are ``optim.lr``, ``optim.weight_decay``
+    and ``optim.eps`` times what its class derives (:func:`~satlab.models.parametrization.parameter_table`: all 1
+    under ``sp``); the parameters of modules in the ``gate`` learning-rate group (SATFormer's gates) get
+    ``optim.gate_lr_multiplier`` on top, an override of the derived rate. Under ``sp`` these are the groups (order and
+    numbers) of runs from before the parametrisations, so their checkpoints' optimizer states load unchanged."""
+    table = parameter_table(model, model.cfg if model_cfg is None else model_cfg)
     no_decay = model.no_weight_decay()
     lr_groups = model.lr_groups()
-    buckets: dict[tuple[bool, bool], list] = {}
+    buckets: dict[tuple, list] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        rule = table[name]
         is_gate = lr_groups.get(name) == "gate"
-        decay = decay_all or (param.ndim >= 2 and name not in no_decay)
-        buckets.setdefault((decay, is_gate), []).append(param)
+        decay = optim_cfg.decay_all or (param.ndim >= 2 and name not in no_decay)
+        buckets.setdefault((decay, is_gate, rule.lr_mult, rule.wd_mult, rule.eps_mult), []).append(param)
     return [
-        {"params": params, "weight_decay": weight_decay if decay else 0.0,
-         "lr": lr * (gate_lr_multiplier if is_gate else 1.0)}
-        for (decay, is_gate), params in sorted(buckets.items())
+        {"params": params, "weight_decay": optim_cfg.weight_decay * wd_mult if decay else 0.0,
+         "lr": optim_cfg.lr * lr_mult * (optim_cfg.gate_lr_multiplier if is_gate else 1.0),
+         "eps": optim_cfg.eps * eps_mult}
+        for (decay, is_gate, lr_mult, wd_mult, eps_mult), params in sorted(buckets.items())
     ]
 
 

@@ -34,11 +34,15 @@ from satlab.config.archs.attnres import n_sublayers
 from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer, depth_sum
 from satlab.models.layers import handwritten, rms_norm
+from satlab.models.parametrization import INPUT, OUTPUT_ZERO
 from satlab.models.streams import DepthContext, ResidualStream
 
 
 class DepthQuery(nn.Module):
-    """One consumer's query w_s (zero at the start: uniform weights) and key-norm weight g_s."""
+    """One consumer's query w_s (zero at the start: uniform weights) and key-norm weight g_s. The query is read out
+    against the normalised width (a score w_sᵀ RMSNorm(v_j)): output-like for μP, though stored as a vector."""
+
+    param_classes = {"query": OUTPUT_ZERO, "key_weight": INPUT}
 
     def __init__(self, d_model: int):
         super().__init__()
@@ -152,5 +156,7 @@ def query_norms(queries: nn.ModuleList) -> MixingWeight:
     return MixingWeight(norms, "consumer (sublayer, then the output)", first_row=0)
 
 
-register("attnres", stream=AttnResStream)
-register("block_attnres", stream=BlockAttnResStream)
+# CompleteP: no branch multiplier: the read is a softmax-weighted mean over depth, uniform at the start, which
+# already weights each sublayer's output by 1/(its number of sources); m_L^-alpha on top would count depth twice
+register("attnres", stream=AttnResStream, residual_branches=False)
+register("block_attnres", stream=BlockAttnResStream, residual_branches=False)

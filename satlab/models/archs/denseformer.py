@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from satlab.config.archs.denseformer import dwa_sources
 from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer
+from satlab.models.parametrization import SCALAR, ParamDecl
 from satlab.models.streams import DepthContext, ResidualStream
 
 
@@ -36,6 +37,11 @@ class DenseFormerStream(ResidualStream):
     @property
     def no_weight_decay_params(self) -> tuple[str, ...]:
         return tuple(f"weights.{i}" for i in self.weights)
+
+    @property
+    def param_classes(self) -> dict[str, ParamDecl]:
+        """The DWA weights: one scalar per source."""
+        return {f"weights.{i}": SCALAR for i in self.weights}
 
     def init_weights(self) -> None:
         for weight in self.weights.values():

@@ -33,11 +33,15 @@ from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import MixingWeight, register
 from satlab.models.layers import RMSNorm, handwritten, rms_parts, rms_parts_backward
+from satlab.models.parametrization import INPUT, OUTPUT_ZERO, SCALAR
 from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
 
 
 class HyperConnection(nn.Module):
     no_weight_decay_params = ("static_m", "static_r", "static_beta", "s_alpha", "s_beta")
+    # the dynamic weights read the width out to n + 2 coefficients (output-like, zero at the start)
+    param_classes = {"norm.weight": INPUT, "w_m.weight": OUTPUT_ZERO, "w_r.weight": OUTPUT_ZERO,
+                     "w_beta.weight": OUTPUT_ZERO, **{name: SCALAR for name in no_weight_decay_params}}
 
     def __init__(self, d_model: int, n: int, k: int, eps: float, impl: str = "auto"):
         super().__init__()

@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from satlab.models.architecture import MixingWeight, register
 from satlab.models.layers import handwritten, rms_linear
+from satlab.models.parametrization import OUTPUT_ZERO, SCALAR
 from satlab.models.streams import DepthContext, ResidualStream, recomputed, stream_read, stream_write
 
 
@@ -104,6 +105,8 @@ class ManifoldConnection(nn.Module):
     """The coefficients of one sublayer s: φ (nd × (n² + 2n)), b, and α_pre, α_post, α_res."""
 
     no_weight_decay_params = ("b_pre", "b_post", "b_res", "alpha")
+    # φ reads the n·d streams out to n² + 2n coefficients (output-like, zero at the start)
+    param_classes = {"phi.weight": OUTPUT_ZERO, **{name: SCALAR for name in no_weight_decay_params}}
 
     def __init__(self, d_model: int, n: int, s: int, iters: int, eps: float, impl: str = "auto"):
         super().__init__()
@@ -148,6 +151,7 @@ class ManifoldHead(nn.Module):
     """The readout y = Σ_j σ(α_h(x̃φ_h)_j / r + b_h,j) X_j."""
 
     no_weight_decay_params = ("b", "alpha")
+    param_classes = {"phi.weight": OUTPUT_ZERO, **{name: SCALAR for name in no_weight_decay_params}}
 
     def __init__(self, d_model: int, n: int, eps: float, impl: str = "auto"):
         super().__init__()

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from satlab.models.architecture import MixingWeight, register
 from satlab.models.depth_buffer import depth_buffer
 from satlab.models.layers import Block, rms_linear
+from satlab.models.parametrization import SCALAR, ParamClass, ParamDecl
 from satlab.models.streams import DepthContext, ResidualStream
 
 STREAMS = ("q", "k", "v", "r")
@@ -29,6 +30,10 @@ STREAMS = ("q", "k", "v", "r")
 
 class DepthAggregate(nn.Module):
     no_weight_decay_params = ("static",)
+    # W_1 reads the width out to 4(i+1) (output-like; its own init N(0, 1/d) is evaluated at the base width, then
+    # μP's 1/m_w applies); W_2 and the static weights are depth-sized only
+    param_classes = {"w1.weight": ParamDecl(ParamClass.OUTPUT, std=lambda model, cfg: 1.0 / math.sqrt(cfg.d_model)),
+                     "w2.weight": SCALAR, "static": SCALAR}
 
     def __init__(self, d_model: int, n_sources: int, n_outputs: int, eps: float, impl: str = "auto"):
         super().__init__()

@@ -8,14 +8,20 @@ import torch
 from torch import Tensor, nn
 
 from satlab.models.architecture import MixingWeight, register
+from satlab.models.parametrization import ParamClass, ParamDecl
+
+IN_BRANCH_SCALAR = ParamDecl(ParamClass.SCALAR, in_block=True)
 
 
 class ResFormerLambdas(nn.Module):
     """The model-level part of the learnable ResFormer: λ_{n,1} = λ_scale · softmax(λ')_n over layers 1..L-1.
 
     The softmax couples the layers, so these weights are computed once per forward pass by the model and handed to
-    each layer's :class:`ResFormerValue` as ``v1_weight``: no module reads another's state.
+    each layer's :class:`ResFormerValue` as ``v1_weight``: no module reads another's state. Its weights act only
+    inside the attention branches, so they count as in a branch for CompleteP's depth rules.
     """
+
+    param_classes = {"logits": IN_BRANCH_SCALAR, "scale": IN_BRANCH_SCALAR}
 
     def __init__(self, n_layers: int):
         super().__init__()
@@ -36,6 +42,7 @@ class ResFormerValue(nn.Module):
     """V'_n = λ_{n,1}·V_1 + λ_{n,2}·V_n, λ_{n,2} learnable (init 0.5); ``fixed`` mode: 0.5·V_1 + 0.5·V_n."""
 
     no_weight_decay_params = ("lambda2",)
+    param_classes = {"lambda2": IN_BRANCH_SCALAR}
 
     def __init__(self, fixed: bool):
         super().__init__()

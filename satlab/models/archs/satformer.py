@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from satlab.config.archs.satformer import SATFormerOptions
 from satlab.config.gate_functions import apply_gate_fn
 from satlab.models.architecture import register
+from satlab.models.parametrization import INPUT, SCALAR, ParamClass, ParamDecl
 
 
 class SATFormerGate(nn.Module):
@@ -20,7 +21,18 @@ class SATFormerGate(nn.Module):
     parameter through the same gate function. ``detach_v1`` stops the gradient into layer 0 through this path.
     """
 
-    lr_group = "gate"  # optim.gate_lr_multiplier applies to these parameters
+    lr_group = "gate"  # optim.gate_lr_multiplier applies to these parameters, on top of what their class derives
+
+    @property
+    def param_classes(self) -> dict[str, ParamDecl]:
+        """The projection reads the width out to one gate per KV head (``token_head``): with the head dim fixed the
+        head count grows with the width, so both of its dimensions grow (hidden, as mup's shape rule has it); to one
+        gate (``token``: output-like); to one per channel (``token_channel``: d -> d_kv, hidden). Its bias is one per
+        gate (input-like where their number grows); static gates are scalars."""
+        grows = self.granularity in ("token_head", "token_channel")
+        weight = ParamDecl(ParamClass.HIDDEN if grows else ParamClass.OUTPUT, std=lambda model, cfg: cfg.init_std)
+        return {"proj.weight": weight, "proj.bias": INPUT if grows else SCALAR,
+                "static": INPUT if self.granularity == "static_head" else SCALAR}
 
     def __init__(self, d_model: int, n_kv_heads: int, head_dim: int, options: SATFormerOptions, init_std: float):
         super().__init__()

@@ -22,10 +22,14 @@ from torch import Tensor, nn
 
 from satlab.config.archs.value_embed import GATE_INPUTS, ve_layers
 from satlab.models.architecture import register
+from satlab.models.parametrization import INPUT
 
 
 class ValueEmbedding(nn.Module):
-    """One layer's table E_n (vocab × d_kv) and gate W_n (H_kv × 12, zero: g = 1)."""
+    """One layer's table E_n (vocab × d_kv) and gate W_n (H_kv × 12, zero: g = 1). Both only grow in their
+    fan-out with the width (d_kv, H_kv): input-like."""
+
+    param_classes = {"table.weight": INPUT, "gate_proj.weight": INPUT}
 
     def __init__(self, vocab_size: int, n_kv_heads: int, head_dim: int, ve_init: str):
         super().__init__()
