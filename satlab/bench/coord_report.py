@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from pathlib import Path
 
 from matplotlib import colormaps
@@ -39,33 +40,42 @@ def write_outputs(report: dict, out: Path) -> list[Path]:
 
 
 def plot_arch(arch: str, entry: dict, path: Path) -> Path:
-    """One row per probe, RMS against width (left) and depth (right), log-log, a line per step (dark: early)."""
+    """One row per probe, log10 RMS against width (left) and depth (right) on a log2 axis, a line per step (dark:
+    step 0, yellow: the last); each panel's title gives the slope after step 1 and at the last step. The logs are
+    plotted on linear axes (matplotlib's log axes took ten times as long for forty panels)."""
     probes = sorted({p for series in SERIES for rms in entry["series"][series]["rms"] for p in rms})
     steps = max(len(v) for series in SERIES for rms in entry["series"][series]["rms"] for v in rms.values())
     colors = colormaps["viridis"]
-    fig = Figure(figsize=(9, 2.1 * len(probes) + 0.6))
+    fig = Figure(figsize=(9, 1.9 * len(probes) + 1.0))
     axes = fig.subplots(len(probes), 2, squeeze=False)
     for row, probe in enumerate(probes):
         for col, series in enumerate(SERIES):
             ax, data = axes[row][col], entry["series"][series]
             for step in range(steps):
-                ys = [rms.get(probe, [math.nan] * steps)[step] for rms in data["rms"]]
-                slope = data["slopes"].get(probe, [math.nan] * steps)[step]
-                if any(math.isfinite(y) and y > 0 for y in ys):
-                    ax.plot(data["x"], ys, marker=".", color=colors(step / max(1, steps - 1)),
-                            label=f"step {step} ({slope:+.2f})")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{probe} vs {series}", fontsize=8)
-            ax.tick_params(labelsize=7)
+                ys = [log10(rms.get(probe, [math.nan] * steps)[step]) for rms in data["rms"]]
+                if any(math.isfinite(y) for y in ys):
+                    label = f"step {step}" if row == 0 and col == 0 else None
+                    ax.plot([math.log2(x) for x in data["x"]], ys, marker=".", linewidth=1,
+                            color=colors(step / max(1, steps - 1)), label=label)
+            slopes = data["slopes"].get(probe, [math.nan] * steps)
+            ax.set_xticks([math.log2(x) for x in data["x"]], [str(x) for x in data["x"]])
+            ax.set_title(f"{probe} vs {series}: slope {slopes[min(1, steps - 1)]:+.2f} at step 1, "
+                         f"{slopes[-1]:+.2f} at step {steps - 1}", fontsize=7)
+            ax.tick_params(labelsize=6)
             if col == 0:
-                ax.set_ylabel("RMS", fontsize=7)
-            ax.legend(fontsize=5, ncol=2)
-    fig.suptitle(f"coordinate check: {arch} ({entry['parametrization']}); legend: step (slope of log RMS)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+                ax.set_ylabel("log10 RMS", fontsize=7)
+    fig.legend(loc="upper center", ncol=min(steps, 11), fontsize=7,
+               bbox_to_anchor=(0.5, 1 - 0.35 / fig.get_figheight()))
+    fig.suptitle(f"coordinate check: {arch} ({entry['parametrization']}), RMS of each probed output", fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.02, top=1 - 0.9 / fig.get_figheight(), hspace=0.55,
+                        wspace=0.2)
+    fig.savefig(path, dpi=72)
     return path
+
+
+def log10(value: float) -> float:
+    """log10 of an RMS, NaN where there is none (zero, a probe the shape lacks)."""
+    return math.log10(value) if math.isfinite(value) and value > 0 else math.nan
 
 
 def log_to_mlflow(report: dict, paths: list[Path]) -> str:
@@ -73,6 +83,7 @@ def log_to_mlflow(report: dict, paths: list[Path]) -> str:
     ``coord/<arch>/<series>/<probe>`` at step = training step, each architecture's worst |slope| and verdict, the
     files as artifacts."""
     import mlflow
+    from mlflow.entities import Metric, Param, RunTag
 
     from satlab.training.tracking import experiment_id, open_store, provenance_tags, resolve_tracking
 
@@ -83,19 +94,21 @@ def log_to_mlflow(report: dict, paths: list[Path]) -> str:
     run = client.create_run(experiment_id(client, "coord", artifacts), run_name=f"coord-{param}",
                             tags=provenance_tags("+".join(report["archs"]), "coord"))
     run_id = run.info.run_id
-    for key, value in {**report["settings"], **report["thresholds"], "parametrization": param}.items():
-        client.log_param(run_id, key, ",".join(map(str, value)) if isinstance(value, list) else value)
+    params = {**report["settings"], **report["thresholds"], "parametrization": param}
+    metrics, tags, now = [], [], int(time.time() * 1000)
     for arch, entry in report["archs"].items():
         for series in SERIES:
             data = entry["series"][series]
             for probe, values in data["slopes"].items():
                 name = f"coord/{arch}/{series}/{safe_key(probe)}"
-                for step, value in enumerate(values):
-                    if math.isfinite(value):
-                        client.log_metric(run_id, name, value, step=step)
+                metrics += [Metric(name, v, now, step) for step, v in enumerate(values) if math.isfinite(v)]
             if data["worst"] is not None:
-                client.log_metric(run_id, f"coord/{arch}/{series}/worst_abs_slope", abs(data["worst"]["slope"]))
-        client.set_tag(run_id, f"coord.{arch}.verdict", entry["verdict"]["result"])
+                metrics.append(Metric(f"coord/{arch}/{series}/worst_abs_slope", abs(data["worst"]["slope"]), now, 0))
+        tags.append(RunTag(f"coord.{arch}.verdict", entry["verdict"]["result"]))
+    client.log_batch(run_id, params=[Param(k, ",".join(map(str, v)) if isinstance(v, list) else str(v))
+                                     for k, v in params.items()], tags=tags)
+    for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(run_id, metrics=metrics[start:start + 1000])
     for path in paths:
         client.log_artifact(run_id, str(path))
     client.set_terminated(run_id)

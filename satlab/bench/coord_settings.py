@@ -20,8 +20,8 @@ DEFAULT_DEPTHS = (2, 4, 8, 16, 32)
 DEFAULT_STEPS = 10
 HEAD_DIM = 32
 """The tiny preset's head dim (128 / 4); heads = width / head dim."""
-BATCH, SEQ_LEN = 4, 64
-"""The fixed batch: 4 sequences of 64 byte tokens (chosen so the default grid of ten architectures fits ~15 minutes
+BATCH, SEQ_LEN = 4, 32
+"""The fixed batch: 4 sequences of 32 byte tokens (chosen so the default grid of ten architectures fits ~15 minutes
 on one core, see docs/coord-check.md)."""
 
 @dataclass(frozen=True)
