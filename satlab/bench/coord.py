@@ -38,9 +38,10 @@ from satlab.data.corpora import corpus_documents
 from satlab.data.tokenizer import BYTE_VOCAB, byte_tokenizer
 
 CORPUS = "shakespeare"
-SECONDS_PER_GFLOP = 0.06
-"""Rough one-core cost of the check's training FLOPs (forward and backward plus the probes and AdamW), measured on
-the development machine with the default grid; only for ``--dry-run``'s estimate."""
+SECONDS_PER_GFLOP, SECONDS_PER_LAYER_STEP = 0.08, 0.028
+"""One core's cost of the check, fitted to the default grid's 100 models on the development machine (shared, so an
+upper estimate): per GFLOP of training (forward and backward) and per layer and step (hooks, AdamW, small ops).
+Only for ``--dry-run``'s estimate."""
 PER_LAYER = ("attn_logits", "attn_out", "mlp_out", "block_out", "gate_logits", "value_term", "dyn_weights")
 """Probes recorded per layer (or per connection), reported as the first, the last and all layers together."""
 
@@ -323,7 +324,7 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
 
 def plan(settings: CoordSettings) -> list[dict]:
     """What the check would build, without training: per shape its sizes, parameter count (built on the meta
-    device) and estimated seconds (training FLOPs at :data:`SECONDS_PER_GFLOP`)."""
+    device) and estimated seconds (:data:`SECONDS_PER_GFLOP`, :data:`SECONDS_PER_LAYER_STEP`)."""
     from satlab.models import build_model
 
     rows = []
@@ -335,5 +336,6 @@ def plan(settings: CoordSettings) -> list[dict]:
         gflop = (6 * settings.steps + 2) * params * tokens / 1e9
         rows.append({**asdict(shape), "heads": cfg.model.n_heads, "mlp_hidden": cfg.model.mlp_hidden,
                      "params": params, "parametrization": parametrization(cfg),
-                     "estimated_seconds": gflop * SECONDS_PER_GFLOP})
+                     "estimated_seconds": gflop * SECONDS_PER_GFLOP
+                     + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP})
     return rows

@@ -65,9 +65,9 @@ def plot_arch(arch: str, entry: dict, path: Path) -> Path:
             if col == 0:
                 ax.set_ylabel("log10 RMS", fontsize=7)
     fig.legend(loc="upper center", ncol=min(steps, 11), fontsize=7,
-               bbox_to_anchor=(0.5, 1 - 0.35 / fig.get_figheight()))
+               bbox_to_anchor=(0.5, 1 - 0.3 / fig.get_figheight()))
     fig.suptitle(f"coordinate check: {arch} ({entry['parametrization']}), RMS of each probed output", fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.02, top=1 - 0.9 / fig.get_figheight(), hspace=0.55,
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.02, top=1 - 1.2 / fig.get_figheight(), hspace=0.55,
                         wspace=0.2)
     fig.savefig(path, dpi=72)
     return path
