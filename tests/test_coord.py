@@ -178,3 +178,23 @@ def test_completep_keeps_every_slope_below_the_threshold(arch):
     entry = coord_check(settings, progress=lambda line: None)["archs"][arch]
     assert entry["parametrization"] == "completep"
     assert entry["verdict"]["result"] == "PASS", (entry["series"]["width"]["worst"], entry["series"]["depth"]["worst"])
+
+
+@pytest.mark.parametrize("scale", [None, 0.125])
+def test_the_attention_logits_probe_takes_the_scale_the_call_passes(scale):
+    """A parametrisation that scales the logits by 1/d_head passes its own scale: the probe must use it."""
+    import torch
+    import torch.nn.functional as F
+
+    from satlab.bench.coord import Probes
+    from satlab.models import build_model
+
+    cfg = shape_config(Shape("transformer", "depth", 32, 1), CoordSettings(archs=["transformer"], **TINY))
+    probes = Probes(build_model(cfg.model))
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    with probes, torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    probes.remove()
+    logits = (q @ k.transpose(-2, -1)) * (scale or 16 ** -0.5)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert probes.collect()["attn_logits[first]"] == pytest.approx(float(logits[..., causal].pow(2).mean().sqrt()))

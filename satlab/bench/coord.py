@@ -133,7 +133,8 @@ class Probes(TorchFunctionMode):
             q, k = args[0], args[1]
             if q.shape[1] != k.shape[1]:  # GQA: each key head serves a group of query heads
                 k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            scale = kwargs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)  # (q, k, v, mask, dropout, causal, scale)
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             logits = (q.detach() @ k.detach().transpose(-2, -1)) * scale
             causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
             self.add("attn_logits", self.layer, logits[..., causal])
