@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("bench", "interleaved training throughput, memory and MFU per architecture (make bench)"),
     "eval": ("eval", "evaluate a checkpoint with lm-eval: the offline suite, the paper's groups or any task"),
     "ablate": ("ablate", "run or resume an ablation grid of experiments/ablations/*.yml (make ablate, make reproduce)"),
+    "coord": ("coord", "coordinate check: how each module's output scales with width and depth (sp, mup, completep)"),
     "report": ("report", "write an ablation's report (markdown, HTML, MLflow artifacts) from its runs"),
     "transfer": ("transfer", "write a preset at the learning rate an LR-transfer study found at its base shape"),
 }

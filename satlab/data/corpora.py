@@ -186,6 +186,16 @@ def available_corpora() -> list[str]:
     return [name for name in CORPORA if _data_dir(name) is not None]
 
 
+def corpus_documents(name: str) -> Iterator[dict[str, str]]:
+    """The documents of the embedded corpus ``name`` read straight from its data package, in the corpus's own order,
+    unsplit and without writing a cache: for a fixed sample of real text (the coordinate check's batch). Training
+    reads the prepared splits of :func:`ensure_corpus` instead."""
+    source = _data_dir(name) if name in CORPORA else None
+    if source is None:
+        raise _missing_corpus_error(name)
+    return CORPORA[name].documents(source)
+
+
 def _missing_corpus_error(name: str) -> ConfigError:
     present = ", ".join(available_corpora()) or "none"
     if name not in CORPORA:

@@ -1,0 +1,342 @@
+"""The coordinate check: does a parametrisation keep every module's output the same size as the model grows?
+
+Each architecture is built at a series of widths (at the base depth) and of depths (at the base width), with the
+head dim fixed, and trained a few AdamW steps on one fixed batch of real text (an embedded corpus, byte tokens),
+deterministically in fp32 on the CPU. The model, its optimizer groups and its loss are the training code's own
+(:class:`satlab.training.module.LMModule` and its ``configure_optimizers``), so whatever the parametrisation changes
+there (initialisation, per-group learning rates, multipliers) is what is measured. Forward hooks record the RMS of
+every probed output at every step; per probe and step, the slope of log RMS against log width and against log depth
+says how that output scales: 0 is what μP (width) and CompleteP (width and depth) promise, the standard
+parametrisation's outputs grow with width once training has moved the weights. ``docs/coord-check.md`` explains the
+probes and how to read the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from satlab.bench.coord_settings import (
+    FIRST_CHECKED_STEP,
+    SP_SLOPE_SIGNAL,
+    TRANSFER_SLOPE_LIMIT,
+    CoordSettings,
+    Shape,
+    shapes,
+)
+from satlab.config.loader import load_experiment
+from satlab.config.schema import ExperimentConfig
+from satlab.data.corpora import corpus_documents
+from satlab.data.tokenizer import BYTE_VOCAB, byte_tokenizer
+
+CORPUS = "shakespeare"
+SECONDS_PER_GFLOP, SECONDS_PER_LAYER_STEP = 0.08, 0.028
+"""One core's cost of the check, fitted to the default grid's 100 models on the development machine (shared, so an
+upper estimate): per GFLOP of training (forward and backward) and per layer and step (hooks, AdamW, small ops).
+Only for ``--dry-run``'s estimate."""
+PER_LAYER = ("attn_logits", "attn_out", "mlp_out", "block_out", "gate_logits", "value_term", "dyn_weights")
+"""Probes recorded per layer (or per connection), reported as the first, the last and all layers together."""
+
+
+@dataclass
+class Measurement:
+    """RMS per probe per step (steps 0..S: 0 the initial model, s after s updates) and the loss per step."""
+
+    rms: dict[str, list[float]]
+    losses: list[float]
+    seconds: float
+    params: int
+
+
+def shape_config(shape: Shape, settings: CoordSettings) -> ExperimentConfig:
+    """The experiment config of one shape: the default experiment with byte tokens, the fixed batch, a constant
+    learning rate (no warmup, no decay: the check looks at the first steps) and the user's overrides last."""
+    w, b, t = shape.width, settings.batch, settings.seq_len
+    heads = w // settings.head_dim
+    fixed = [f"model.arch={shape.arch}", f"model.d_model={w}", f"model.n_layers={shape.depth}",
+             f"model.n_heads={heads}", f"model.n_kv_heads={heads}", f"model.mlp_hidden={4 * w}",
+             f"model.vocab_size={BYTE_VOCAB}", "data.tokenizer.kind=byte", f"data.seq_len={t}",
+             f"train.micro_batch_size={b}", f"train.global_batch_tokens={b * t}",
+             f"train.max_tokens={b * t * max(1, settings.steps)}", "train.precision=32-true",
+             "optim.warmup_fraction=0", "optim.min_lr_ratio=1"]
+    return load_experiment("default", [*fixed, *settings.overrides])
+
+
+def parametrization(cfg: ExperimentConfig) -> str:
+    """The config's parametrisation (``sp`` where the config has no such field)."""
+    return getattr(cfg.model, "parametrization", "sp")
+
+
+def token_batch(batch: int, seq_len: int, corpus: str = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``batch`` consecutive windows of ``seq_len`` + 1 byte tokens from the start of the
+    embedded corpus: the same real text for every model of the check."""
+    tokenizer, need, ids = byte_tokenizer(), batch * (seq_len + 1), []
+    for doc in corpus_documents(corpus):
+        ids += tokenizer.encode(doc["text"])
+        if len(ids) >= need:
+            break
+    windows = torch.tensor(ids[:need], dtype=torch.long).view(batch, seq_len + 1)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class Probes(TorchFunctionMode):
+    """Forward hooks that sum the squares of each probed output, per probe kind and layer, for the current step.
+
+    Attention logits are not a module's output: this mode sees every call of scaled-dot-product attention and forms
+    q·kᵀ times the scale the attention module passes (1/sqrt(d_head) when it passes none), over the causal entries.
+    The dynamic mixing weights of hyper-connections and mHC are computed inside functions, not modules: their
+    pre-activations (RMSNorm(H)·W) are recomputed from the connection's input and own weights.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.sums: dict[tuple[str, int], list[float]] = {}
+        self.layer = 0
+        self.handles: list = []
+        self.patched: list[nn.Module] = []
+        self._install()
+
+    # -- recording
+    def add(self, kind: str, index: int, x: torch.Tensor) -> None:
+        x = x.detach().double()
+        entry = self.sums.setdefault((kind, index), [0.0, 0.0])
+        entry[0] += float(x.pow(2).sum())
+        entry[1] += x.numel()
+
+    def collect(self) -> dict[str, float]:
+        """The step's RMS per probe (first, last and all layers for the per-layer kinds), then a clean slate."""
+        out: dict[str, float] = {}
+        kinds = sorted({k for k, _ in self.sums})
+        for kind in kinds:
+            entries = {i: v for (k, i), v in self.sums.items() if k == kind}
+            rms = {i: math.sqrt(s / n) for i, (s, n) in entries.items() if n}
+            if kind not in PER_LAYER:
+                out[kind] = rms[0]
+                continue
+            out[f"{kind}[first]"], out[f"{kind}[last]"] = rms[min(rms)], rms[max(rms)]
+            out[f"{kind}[all]"] = math.sqrt(sum(s for s, _ in entries.values()) / sum(n for _, n in entries.values()))
+        self.sums.clear()
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            if q.shape[1] != k.shape[1]:  # GQA: each key head serves a group of query heads
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            scale = kwargs.get("scale", args[6] if len(args) > 6 else None)  # (q, k, v, mask, dropout, causal, scale)
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            logits = (q.detach() @ k.detach().transpose(-2, -1)) * scale
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            self.add("attn_logits", self.layer, logits[..., causal])
+        return func(*args, **kwargs)
+
+    # -- hooks
+    def _hook(self, module: nn.Module, fn: Callable, pre: bool = False) -> None:
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self.handles.append(register(fn, with_kwargs=pre))
+
+    def _install(self) -> None:
+        from satlab.models.archs.hyperconnections import HyperConnection
+        from satlab.models.archs.mhc import ManifoldConnection, ManifoldHead
+        from satlab.models.archs.muddformer import DepthAggregate
+        from satlab.models.archs.satformer import SATFormerGate
+        from satlab.models.layers import Attention, Block, SwiGLU, rms_linear
+
+        model = self.model
+        self._hook(model.embed, lambda m, i, o: self.add("embed", 0, o))
+        self._hook(model, lambda m, i, o: self.add("logits", 0, o.logits))
+        counters: dict[str, int] = {}
+
+        def index(kind: str) -> int:
+            counters[kind] = counters.get(kind, -1) + 1
+            return counters[kind]
+
+        for module in model.modules():
+            if isinstance(module, Attention):
+                n = index("attention")
+                self._hook(module, lambda m, a, kw, n=n: setattr(self, "layer", n), pre=True)
+                self._hook(module, lambda m, i, o, n=n: self.add("attn_out", n, o.out))
+                if module.value_path is not None:  # v' - v: SATFormer's g ⊙ V_1, ResFormer's λ·V_1, ...
+                    self._hook(module.value_path, lambda m, i, o, n=n: self.add("value_term", n, o[0] - i[0]))
+            elif isinstance(module, SwiGLU):
+                n = index("mlp")
+                self._hook(module, lambda m, i, o, n=n: self.add("mlp_out", n, o))
+            elif isinstance(module, Block):
+                n = index("block")
+                self._hook(module, lambda m, i, o, n=n: self.add("block_out", n, o[0])
+                           if isinstance(o, tuple) and not hasattr(o, "out") else None)
+            elif isinstance(module, SATFormerGate) and module.proj is not None:
+                n = index("gate")
+                self._hook(module.proj, lambda m, i, o, n=n: self.add("gate_logits", n, o))
+            elif isinstance(module, DepthAggregate):
+                n = index("dyn")
+                self._hook(module.w2, lambda m, i, o, n=n: self.add("dyn_weights", n, o))
+            elif isinstance(module, (ManifoldConnection, ManifoldHead)):
+                n = index("dyn")  # x̃φ/r, the pre-activations of H_pre, H_post, H_res (and of the readout)
+                self._hook(module, lambda m, a, kw, n=n: self.add("dyn_weights", n, rms_linear(
+                    a[0].detach().flatten(-2).float(), m.phi.weight.detach(), m.eps, "reference")), pre=True)
+            elif isinstance(module, HyperConnection):
+                self._wrap_read(module, index("dyn"), rms_linear)
+
+    def _wrap_read(self, hc: nn.Module, n: int, rms_linear: Callable) -> None:
+        """Hyper-connections call ``read`` as a method: record RMSNorm(H)·[W_m | W_r | W_β] from its input."""
+        read = hc.read
+
+        def probed(H, *args, **kwargs):
+            with torch.no_grad():
+                weight = torch.cat([hc.w_m.weight, hc.w_r.weight, hc.w_beta.weight]) * hc.norm.weight
+                self.add("dyn_weights", n, rms_linear(H.detach(), weight, hc.norm.eps, "reference"))
+            return read(H, *args, **kwargs)
+
+        hc.read = probed
+        self.patched.append(hc)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for hc in self.patched:
+            del hc.read  # the instance attribute: the class's method again
+
+
+def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
+            prepare: Callable[[nn.Module], None] | None = None) -> Measurement:
+    """Train ``steps`` AdamW steps of the training code's own module and optimizer on the one batch; the RMS of every
+    probe at steps 0..steps (the last a forward after the last update). ``prepare`` may alter the built model
+    first (the tests plant a wrongly scaled module with it)."""
+    from satlab.config.derived import derive_schedule
+    from satlab.training.module import LMModule
+
+    torch.manual_seed(cfg.train.seed)
+    module = LMModule(cfg, derive_schedule(cfg))
+    if prepare is not None:
+        prepare(module.model)
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    module.train()
+    probes = Probes(module.model)
+    rms: dict[str, list[float]] = {}
+    losses: list[float] = []
+    start = time.perf_counter()
+    try:
+        for step in range(steps + 1):
+            with probes, torch.set_grad_enabled(step < steps):
+                loss = module.loss(inputs, targets)
+            losses.append(float(loss.detach()))
+            for key, value in probes.collect().items():
+                rms.setdefault(key, [math.nan] * step).append(value)
+            if step < steps:  # no clipping: AdamW's update does not depend on the gradient's scale
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+    finally:
+        probes.remove()
+    params = sum(p.numel() for p in module.model.parameters())
+    return Measurement(rms, losses, time.perf_counter() - start, params)
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of log y against log x over the points with a finite, positive y (NaN with fewer than
+    two such points at distinct x)."""
+    points = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if math.isfinite(y) and y > 0]
+    if len({p[0] for p in points}) < 2:
+        return math.nan
+    lx, ly = np.array(points).T
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def series_slopes(xs: Sequence[int], rms: Sequence[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per probe, the slope at each step over the series (``rms[i]`` measured at ``xs[i]``); a probe that some
+    shape lacks is fitted over the shapes that have it."""
+    probes = sorted({p for r in rms for p in r})
+    steps = max(len(v) for r in rms for v in r.values())
+    return {p: [fit_slope(xs, [r[p][s] if p in r else math.nan for r in rms]) for s in range(steps)]
+            for p in probes}
+
+
+def worst(slopes: dict[str, list[float]]) -> dict | None:
+    """The largest |slope| from :data:`FIRST_CHECKED_STEP` on: {slope, probe, step}, or None when none is finite."""
+    found = [(abs(v), p, s, v) for p, values in slopes.items() for s, v in enumerate(values)
+             if s >= FIRST_CHECKED_STEP and math.isfinite(v)]
+    if not found:
+        return None
+    _, probe, step, value = max(found)
+    return {"slope": value, "probe": probe, "step": step}
+
+
+def verdict(param: str, width: dict | None, depth: dict | None) -> dict:
+    """PASS/FAIL of one architecture under its parametrisation. μP claims width only, CompleteP width and depth,
+    each |slope| < :data:`TRANSFER_SLOPE_LIMIT`; under sp the check is that it can fail: some |slope| (width or
+    depth) above :data:`SP_SLOPE_SIGNAL` (PASS: the control shows the drift)."""
+    size = {"width": abs(width["slope"]) if width else math.nan, "depth": abs(depth["slope"]) if depth else math.nan}
+    if param == "sp":
+        moved = max((v for v in size.values() if math.isfinite(v)), default=math.nan)
+        return {"rule": f"sp control: some |slope| > {SP_SLOPE_SIGNAL}",
+                "result": "PASS" if moved > SP_SLOPE_SIGNAL else "FAIL"}
+    claimed = ["width"] if param == "mup" else ["width", "depth"]
+    ok = all(math.isfinite(size[c]) and size[c] < TRANSFER_SLOPE_LIMIT for c in claimed)
+    return {"rule": f"{param}: |slope| < {TRANSFER_SLOPE_LIMIT} vs {' and '.join(claimed)}",
+            "result": "PASS" if ok else "FAIL"}
+
+
+def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print,
+                prepare: Callable[[nn.Module], None] | None = None) -> dict:
+    """Measure every shape, fit the slopes and judge each architecture; the report as plain data (coord.json)."""
+    torch.set_num_threads(1)
+    inputs, targets = token_batch(settings.batch, settings.seq_len)
+    report: dict = {"settings": asdict(settings), "thresholds": {
+        "transfer_slope_limit": TRANSFER_SLOPE_LIMIT, "sp_slope_signal": SP_SLOPE_SIGNAL,
+        "first_checked_step": FIRST_CHECKED_STEP}, "archs": {}}
+    total = time.perf_counter()
+    for arch in settings.archs:
+        entry: dict = {"series": {}}
+        for series in ("width", "depth"):
+            runs = [s for s in shapes(settings) if s.arch == arch and s.series == series]
+            measured = []
+            for shape in runs:
+                cfg = shape_config(shape, settings)
+                entry["parametrization"] = report["parametrization"] = parametrization(cfg)
+                m = measure(cfg, inputs, targets, settings.steps, prepare)
+                progress(f"{arch} width {shape.width} depth {shape.depth}: {m.params / 1e6:.2f}M params, "
+                         f"{m.seconds:.1f} s, loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}")
+                measured.append(m)
+            xs = [s.x for s in runs]
+            slopes = series_slopes(xs, [m.rms for m in measured])
+            entry["series"][series] = {"x": xs, "rms": [m.rms for m in measured],
+                                       "losses": [m.losses for m in measured], "params": [m.params for m in measured],
+                                       "seconds": [m.seconds for m in measured], "slopes": slopes,
+                                       "worst": worst(slopes)}
+        entry["verdict"] = verdict(entry["parametrization"], entry["series"]["width"]["worst"],
+                                   entry["series"]["depth"]["worst"])
+        report["archs"][arch] = entry
+    report["seconds"] = time.perf_counter() - total
+    return report
+
+
+def plan(settings: CoordSettings) -> list[dict]:
+    """What the check would build, without training: per shape its sizes, parameter count (built on the meta
+    device) and estimated seconds (:data:`SECONDS_PER_GFLOP`, :data:`SECONDS_PER_LAYER_STEP`)."""
+    from satlab.models import build_model
+
+    rows = []
+    for shape in shapes(settings):
+        cfg = shape_config(shape, settings)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in build_model(cfg.model).parameters())
+        tokens = settings.batch * settings.seq_len
+        gflop = (6 * settings.steps + 2) * params * tokens / 1e9
+        rows.append({**asdict(shape), "heads": cfg.model.n_heads, "mlp_hidden": cfg.model.mlp_hidden,
+                     "params": params, "parametrization": parametrization(cfg),
+                     "estimated_seconds": gflop * SECONDS_PER_GFLOP
+                     + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP})
+    return rows

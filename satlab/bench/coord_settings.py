@@ -1,0 +1,66 @@
+"""The coordinate check's settings, shapes and thresholds, without torch (the command's ``--help`` and validation
+import them; :mod:`satlab.bench.coord` runs the check)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from satlab.config.model import SIZE_PRESETS
+
+TRANSFER_SLOPE_LIMIT = 0.1
+"""μP / CompleteP pass when every probe's |slope| (log RMS per log width; under CompleteP per log depth too) is
+below this at every step from :data:`FIRST_CHECKED_STEP` on. Fixed before any run."""
+SP_SLOPE_SIGNAL = 0.3
+"""The check can fail: under the standard parametrisation some probe's |slope| must exceed this (it does when the
+measurement is sensitive enough to see what μP fixes). Fixed before any run."""
+FIRST_CHECKED_STEP = 1
+"""Step 0 is the initial model; the thresholds apply from the first step after an update on."""
+DEFAULT_WIDTHS = (64, 128, 256, 512, 1024)
+DEFAULT_DEPTHS = (2, 4, 8, 16, 32)
+DEFAULT_STEPS = 10
+HEAD_DIM = 32
+"""The tiny preset's head dim (128 / 4); heads = width / head dim."""
+BATCH, SEQ_LEN = 4, 32
+"""The fixed batch: 4 sequences of 32 byte tokens (chosen so the default grid of ten architectures fits ~15 minutes
+on one core, see docs/coord-check.md)."""
+
+@dataclass(frozen=True)
+class Shape:
+    """One model of a series: ``series`` is "width" or "depth", ``x`` the width or depth it varies."""
+
+    arch: str
+    series: str
+    width: int
+    depth: int
+
+    @property
+    def x(self) -> int:
+        return self.width if self.series == "width" else self.depth
+
+
+@dataclass
+class CoordSettings:
+    archs: list[str]
+    widths: list[int] = field(default_factory=lambda: list(DEFAULT_WIDTHS))
+    depths: list[int] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    steps: int = DEFAULT_STEPS
+    overrides: list[str] = field(default_factory=list)  # model.parametrization=... and any other config override
+    head_dim: int = HEAD_DIM
+    batch: int = BATCH
+    seq_len: int = SEQ_LEN
+
+
+def base_shape() -> tuple[int, int]:
+    """(base width, base depth): the tiny preset's, which the parametrisation's base shape defaults to."""
+    tiny = SIZE_PRESETS["tiny"]
+    return tiny["d_model"], tiny["n_layers"]
+
+
+def shapes(settings: CoordSettings) -> list[Shape]:
+    """Every model the check builds, per architecture the width series then the depth series."""
+    width0, depth0 = base_shape()
+    return [Shape(arch, series, w, d) for arch in settings.archs
+            for series, pairs in (("width", [(w, depth0) for w in settings.widths]),
+                                  ("depth", [(width0, d) for d in settings.depths])) for w, d in pairs]
+
+

@@ -1,0 +1,133 @@
+"""`satlab coord`: the coordinate check of a parametrisation: how each module's output RMS scales with width and
+depth over the first training steps, per architecture (``docs/coord-check.md``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from satlab.bench.coord_settings import DEFAULT_DEPTHS, DEFAULT_STEPS, DEFAULT_WIDTHS, HEAD_DIM, CoordSettings, shapes
+from satlab.config.archs import ARCH_SPECS
+from satlab.config.errors import ConfigError, shown, unknown_name
+from satlab.console import console as make_console
+
+DEFAULTS = {"widths": ",".join(map(str, DEFAULT_WIDTHS)), "depths": ",".join(map(str, DEFAULT_DEPTHS))}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--archs", default="all", help="comma-separated architectures (default: all ten)")
+    parser.add_argument("--widths", default=DEFAULTS["widths"],
+                        help=f"widths at the base depth (default {DEFAULTS['widths']}); multiples of --head-dim")
+    parser.add_argument("--depths", default=DEFAULTS["depths"],
+                        help=f"depths at the base width (default {DEFAULTS['depths']})")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"AdamW steps on the fixed batch (default {DEFAULT_STEPS})")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                        help=f"fixed head dim: heads = width / head dim (default {HEAD_DIM})")
+    parser.add_argument("--parametrization", default=None,
+                        help="passed on as the override model.parametrization=<value> (default: the config's, sp)")
+    parser.add_argument("--out", default="reports/coord", help="output folder (default: reports/coord)")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the models it would build (sizes, parameters, estimated time) and stop")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="further config overrides for every model, e.g. optim.lr=1e-2")
+
+
+def sizes(text: str, option: str, problems: list[str], multiple: int = 1) -> list[int]:
+    """``--widths 64,128`` as distinct sorted integers >= 1 (multiples of ``multiple``), at least two of them for a
+    slope; anything else goes to ``problems``."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        values = []
+    rule = f"comma-separated integers >= {multiple}" + (f", multiples of the head dim {multiple}" if multiple > 1
+                                                        else "")
+    if len(values) < 2 or any(v < 1 or v % multiple for v in values):
+        problems.append(f"{option} takes at least two distinct {rule} (a slope needs two sizes), got {shown(text)}")
+        return []
+    return values
+
+
+def settings_of(args: argparse.Namespace) -> CoordSettings:
+    """The check's settings from the command line, every shape's config built (so a bad override, or a
+    parametrisation the config does not know, is refused before anything runs); raises ConfigError."""
+    problems: list[str] = []
+    archs = list(ARCH_SPECS) if args.archs == "all" else [a.strip() for a in args.archs.split(",") if a.strip()]
+    problems += [unknown_name("architecture", a, ARCH_SPECS) for a in archs if a not in ARCH_SPECS]
+    if not archs:
+        problems.append(f"--archs names no architecture; valid: all or a list of {', '.join(ARCH_SPECS)}")
+    if args.head_dim < 2 or args.head_dim % 2:
+        problems.append(f"--head-dim must be an even integer >= 2 (RoPE rotates pairs), got {args.head_dim}")
+    widths = sizes(args.widths, "--widths", problems, max(2, args.head_dim))
+    depths = sizes(args.depths, "--depths", problems)
+    if not 1 <= args.steps <= 1000:
+        problems.append(f"--steps must be in [1, 1000] (the check looks at the first steps), got {args.steps}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {shown(args.out)} is a file; it names the folder the check writes into")
+    if problems:
+        raise ConfigError(problems)
+    from satlab.bench.coord import shape_config
+
+    extra = [f"model.parametrization={args.parametrization}"] if args.parametrization is not None else []
+    settings = CoordSettings(archs=archs, widths=widths, depths=depths, steps=args.steps,
+                             overrides=[*extra, *args.overrides], head_dim=args.head_dim)
+    for shape in shapes(settings):
+        shape_config(shape, settings)  # raises ConfigError with every problem of the overrides
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    console = make_console()
+    if args.dry_run:
+        from satlab.bench.coord import plan
+
+        console.print(plan_table(plan(settings), settings))
+        return 0
+    from satlab.bench.coord import coord_check
+    from satlab.bench.coord_report import log_to_mlflow, write_outputs
+
+    report = coord_check(settings, progress=lambda line: console.print(line, highlight=False))
+    out = Path(args.out)
+    paths = write_outputs(report, out)
+    console.print(verdict_table(report))
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    if not args.no_mlflow:
+        print(f"MLflow run {log_to_mlflow(report, paths)} in experiment 'coord'")
+    return 0 if all(e["verdict"]["result"] == "PASS" for e in report["archs"].values()) else 1
+
+
+def plan_table(rows: list[dict], settings: CoordSettings) -> Table:
+    total = sum(r["estimated_seconds"] for r in rows)
+    table = Table(title=f"coordinate check plan: {len(rows)} models, {settings.steps} steps each on a batch of "
+                        f"{settings.batch} x {settings.seq_len} byte tokens, one CPU thread, fp32 "
+                        f"(estimated {total / 60:.1f} min)")
+    for column in ("arch", "series", "width", "depth", "heads", "mlp", "params", "param.", "est. s"):
+        table.add_column(column, justify="left" if column in ("arch", "series") else "right")
+    for r in rows:
+        table.add_row(r["arch"], r["series"], str(r["width"]), str(r["depth"]), str(r["heads"]),
+                      str(r["mlp_hidden"]), f"{r['params'] / 1e6:.2f}M", r["parametrization"],
+                      f"{r['estimated_seconds']:.1f}")
+    return table
+
+
+def verdict_table(report: dict) -> Table:
+    thresholds = report["thresholds"]
+    table = Table(title=f"coordinate check ({report.get('parametrization', 'sp')}): the largest |slope| of log RMS "
+                        f"from step {thresholds['first_checked_step']} on")
+    for column in ("arch", "vs width (probe, step)", "vs depth (probe, step)", "rule", "result"):
+        table.add_column(column, justify="left")
+    for arch, entry in report["archs"].items():
+        cells = []
+        for series in ("width", "depth"):
+            w = entry["series"][series]["worst"]
+            cells.append("—" if w is None else f"{abs(w['slope']):.2f} ({w['probe']}, {w['step']})")
+        table.add_row(arch, *cells, entry["verdict"]["rule"], entry["verdict"]["result"])
+    table.caption = (f"thresholds fixed in satlab/bench/coord_settings.py: mup/completep |slope| < "
+                     f"{thresholds['transfer_slope_limit']}; the sp control needs some |slope| > "
+                     f"{thresholds['sp_slope_signal']}; took {report['seconds']:.0f} s")
+    return table

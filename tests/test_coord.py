@@ -1,0 +1,200 @@
+"""The coordinate check (`satlab coord`): slope fitting, probes, a planted width-scaled module that must fail, the
+command end to end with its files and MLflow run, and bad input refused with nothing written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import matplotlib.pyplot as plt
+import pytest
+
+from satlab.bench.coord import coord_check, fit_slope, measure, series_slopes, shape_config, token_batch, verdict, worst
+from satlab.bench.coord_settings import SP_SLOPE_SIGNAL, TRANSFER_SLOPE_LIMIT, CoordSettings, Shape
+from satlab.cli.main import main
+from satlab.config.model import BackboneConfig
+
+TINY = dict(widths=[32, 64], depths=[1, 2], steps=2)
+HAS_PARAMETRIZATION = "parametrization" in {f.name for f in dataclasses.fields(BackboneConfig)}
+
+
+def test_slopes_of_synthetic_rms_are_the_exponents_they_were_made_with():
+    widths = [64, 128, 256, 512, 1024]
+    exponents = {"flat": 0.0, "grows": 0.5, "shrinks": -1.0, "blows_up": 2.0}
+    # per width, per probe: RMS over three steps, c_step * width ** exponent (the constant differs per step)
+    rms = [{p: [(1 + s) * 0.3 * w ** a for s in range(3)] for p, a in exponents.items()} for w in widths]
+    slopes = series_slopes(widths, rms)
+    for probe, exponent in exponents.items():
+        assert slopes[probe] == pytest.approx([exponent] * 3, abs=1e-9)
+    found = worst(slopes)
+    assert (found["slope"], found["probe"]) == (pytest.approx(2.0), "blows_up") and found["step"] >= 1
+    # points without a positive, finite RMS are left out; fewer than two points give no slope
+    assert fit_slope([2, 4, 8], [1.0, 0.0, 4.0]) == pytest.approx(1.0)  # through (2, 1) and (8, 4)
+    assert fit_slope([2, 4, 8], [0.0, math.nan, 4.0]) != fit_slope([2, 4, 8], [0.0, math.nan, 4.0])  # NaN
+
+
+def test_verdicts_follow_the_fixed_thresholds():
+    small, large = {"slope": TRANSFER_SLOPE_LIMIT / 2, "probe": "p", "step": 1}, {"slope": -1.0, "probe": "p",
+                                                                                  "step": 3}
+    assert verdict("completep", small, small)["result"] == "PASS"
+    assert verdict("completep", small, large)["result"] == "FAIL"
+    assert verdict("mup", small, large)["result"] == "PASS"  # μP claims width only
+    assert verdict("sp", small, small)["result"] == "FAIL"  # the control shows no drift: the check could not fail
+    assert verdict("sp", small, {"slope": SP_SLOPE_SIGNAL * 1.5, "probe": "p", "step": 1})["result"] == "PASS"
+
+
+@pytest.mark.parametrize(("arch", "own"), [
+    ("transformer", {"block_out[last]"}),
+    ("satformer", {"gate_logits[last]", "value_term[last]", "block_out[last]"}),
+    ("hyperconnections", {"dyn_weights[last]"}),
+    ("mhc", {"dyn_weights[last]"}),
+    ("muddformer", {"dyn_weights[last]"}),
+])
+def test_every_probe_of_an_architecture_is_recorded_at_every_step(arch, own):
+    settings = CoordSettings(archs=[arch], **TINY)
+    cfg = shape_config(Shape(arch, "depth", 32, 2), settings)
+    m = measure(cfg, *token_batch(2, 16), steps=1)
+    common = {"embed", "logits", "attn_logits[first]", "attn_logits[last]", "attn_out[all]", "mlp_out[all]"}
+    assert common | own <= set(m.rms)
+    assert all(len(values) == 2 for values in m.rms.values())
+    positive = {p for p, values in m.rms.items() if values[1] > 0}
+    assert positive == set(m.rms)  # after one update every probe moved off zero (the dynamic weights start at 0)
+
+
+def test_the_attention_logits_probe_is_q_dot_k_at_the_modules_scale():
+    import torch
+
+    from satlab.bench.coord import Probes
+    from satlab.models import build_model
+    from satlab.models.layers import apply_rotary
+
+    cfg = shape_config(Shape("transformer", "depth", 64, 1), CoordSettings(archs=["transformer"], **TINY))
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    idx = torch.randint(0, 258, (2, 16))
+    probes = Probes(model)
+    with probes, torch.no_grad():
+        model(idx)
+    got = probes.collect()["attn_logits[first]"]
+    probes.remove()
+    attn, d = model.blocks[0].attn, model.cfg.head_dim
+    with torch.no_grad():
+        h = model.blocks[0].attn_norm(model.embed(idx))
+        cos, sin = model.rotary.tables(0, 16)
+        q = apply_rotary(attn.q_norm(attn.q_proj(h).view(2, 16, -1, d)), cos, sin).transpose(1, 2)
+        k = apply_rotary(attn.k_norm(attn.k_proj(h).view(2, 16, -1, d)), cos, sin).transpose(1, 2)
+        logits = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert got == pytest.approx(float(logits[..., causal].pow(2).mean().sqrt()), rel=1e-5)
+
+
+def test_a_module_whose_output_grows_with_width_fails_the_check_and_an_untouched_one_passes():
+    def plant(model):  # the embedding's output times sqrt(width): a coordinate that grows as width^0.5
+        model.embed.register_forward_hook(lambda m, i, o: o * math.sqrt(o.shape[-1]))
+
+    settings = CoordSettings(archs=["transformer"], widths=[32, 64, 128], depths=[1, 2], steps=2)
+    honest = coord_check(settings, progress=lambda line: None)["archs"]["transformer"]["series"]
+    planted = coord_check(settings, progress=lambda line: None, prepare=plant)["archs"]["transformer"]["series"]
+
+    def judged(series):
+        return verdict("completep", worst({"embed": series["width"]["slopes"]["embed"]}),
+                       worst({"embed": series["depth"]["slopes"]["embed"]}))["result"]
+
+    assert planted["width"]["slopes"]["embed"][1] == pytest.approx(0.5, abs=0.05)
+    assert abs(honest["width"]["slopes"]["embed"][1]) < TRANSFER_SLOPE_LIMIT
+    assert (judged(planted), judged(honest)) == ("FAIL", "PASS")
+
+
+def test_the_command_writes_its_files_and_an_mlflow_run(tmp_path, monkeypatch, capsys):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = tmp_path / "coord"
+    assert main(["coord", "--archs", "transformer,satformer", "--widths", "32,64", "--depths", "1,2", "--steps", "2",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "sp control" in printed and "PASS" in printed
+    report = json.loads((out / "coord.json").read_text())
+    assert list(report["archs"]) == ["transformer", "satformer"] and report["parametrization"] == "sp"
+    satformer = report["archs"]["satformer"]["series"]
+    assert satformer["width"]["x"] == [32, 64] and satformer["depth"]["x"] == [1, 2]
+    assert len(satformer["width"]["slopes"]["gate_logits[last]"]) == 3  # steps 0, 1, 2
+    rows = (out / "coord.csv").read_text().splitlines()
+    assert rows[0] == "arch,series,size,probe,step,rms" and len(rows) > 100
+    image = plt.imread(out / "coord_satformer.png")
+    assert image[..., :3].std() > 0.05  # a drawn figure, not a blank canvas
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run, = client.search_runs([client.get_experiment_by_name("coord").experiment_id])
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {
+        "coord.json", "coord.csv", "coord_slopes.csv", "coord_transformer.png", "coord_satformer.png"}
+    history = client.get_metric_history(run.info.run_id, "coord/satformer/width/gate_logits.last")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    assert run.data.tags["coord.satformer.verdict"] == "PASS"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--archs", "transfomer"], "did you mean 'transformer'"),
+    (["--widths", "64"], "--widths takes at least two distinct"),
+    (["--widths", "48,64"], "multiples of the head dim 32"),
+    (["--depths", "0,2"], "--depths takes at least two distinct"),
+    (["--depths", "2,x"], "--depths takes at least two distinct"),
+    (["--steps", "0"], "--steps must be in [1, 1000]"),
+    (["--head-dim", "3"], "--head-dim must be an even integer"),
+    (["--parametrization", "completepp"], "parametrization"),
+    (["optim.lr=-1"], "optim.lr"),
+])
+def test_bad_input_is_refused_with_what_is_valid_and_nothing_written(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    assert main(["coord", "--archs", "transformer", "--widths", "32,64", "--depths", "1,2", *args,
+                 "--out", str(tmp_path / "coord")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "satlab coord: error" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "taken").write_text("x")
+    assert main(["coord", "--archs", "transformer", "--no-mlflow", "--out", str(tmp_path / "taken")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_the_dry_run_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["coord", "--archs", "transformer", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "10 models" in printed and "100.94M" in printed and "estimated" in printed
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not HAS_PARAMETRIZATION, reason="needs model.parametrization (BackboneConfig.parametrization, "
+                                                     "issue 41's parametrisation field), which this branch lacks")
+@pytest.mark.parametrize("arch", ["transformer", "satformer"])
+def test_completep_keeps_every_slope_below_the_threshold(arch):
+    settings = CoordSettings(archs=[arch], widths=[64, 128, 256], depths=[2, 4, 8], steps=3,
+                             overrides=["model.parametrization=completep"])
+    entry = coord_check(settings, progress=lambda line: None)["archs"][arch]
+    assert entry["parametrization"] == "completep"
+    assert entry["verdict"]["result"] == "PASS", (entry["series"]["width"]["worst"], entry["series"]["depth"]["worst"])
+
+
+@pytest.mark.parametrize("scale", [None, 0.125])
+def test_the_attention_logits_probe_takes_the_scale_the_call_passes(scale):
+    """A parametrisation that scales the logits by 1/d_head passes its own scale: the probe must use it."""
+    import torch
+    import torch.nn.functional as F
+
+    from satlab.bench.coord import Probes
+    from satlab.models import build_model
+
+    cfg = shape_config(Shape("transformer", "depth", 32, 1), CoordSettings(archs=["transformer"], **TINY))
+    probes = Probes(build_model(cfg.model))
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    with probes, torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    probes.remove()
+    logits = (q @ k.transpose(-2, -1)) * (scale or 16 ** -0.5)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert probes.collect()["attn_logits[first]"] == pytest.approx(float(logits[..., causal].pow(2).mean().sqrt()))
