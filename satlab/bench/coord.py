@@ -161,16 +161,20 @@ class Probes(TorchFunctionMode):
             counters[kind] = counters.get(kind, -1) + 1
             return counters[kind]
 
+        # A sublayer's output is probed before its block's depth multiplier (CompleteP's m_L^-alpha, folded into the
+        # output projection): that multiplier scales it as 1/L by design; what must not move with depth is F(h).
+        unscale = {sub: 1.0 / block.branch_value for block in model.modules() if isinstance(block, Block)
+                   for sub in (block.attn, block.mlp) if sub is not None}
         for module in model.modules():
             if isinstance(module, Attention):
                 n = index("attention")
                 self._hook(module, lambda m, a, kw, n=n: setattr(self, "layer", n), pre=True)
-                self._hook(module, lambda m, i, o, n=n: self.add("attn_out", n, o.out))
+                self._hook(module, lambda m, i, o, n=n: self.add("attn_out", n, o.out * unscale.get(m, 1.0)))
                 if module.value_path is not None:  # v' - v: SATFormer's g ⊙ V_1, ResFormer's λ·V_1, ...
                     self._hook(module.value_path, lambda m, i, o, n=n: self.add("value_term", n, o[0] - i[0]))
             elif isinstance(module, SwiGLU):
                 n = index("mlp")
-                self._hook(module, lambda m, i, o, n=n: self.add("mlp_out", n, o))
+                self._hook(module, lambda m, i, o, n=n: self.add("mlp_out", n, o * unscale.get(m, 1.0)))
             elif isinstance(module, Block):
                 n = index("block")
                 self._hook(module, lambda m, i, o, n=n: self.add("block_out", n, o[0])
