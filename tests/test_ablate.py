@@ -500,6 +500,7 @@ def test_a_recall_ablations_report_compares_with_transformer_and_resformer_at_ea
     assert {c.budget for g in collect(spec, client, parent, RECALL_MEASURES) for c in g.cells} == {2000}
 
 
+@pytest.mark.slow  # make test-full
 @pytest.mark.process
 def test_a_micro_recall_ablation_runs_its_cells_and_reports_recall_columns(tmp_path: Path) -> None:
     overrides = {"data.mqar.vocab_size": 64, "data.seq_len": 16, "data.mqar.num_pairs": 2,
@@ -599,6 +600,7 @@ def test_the_report_gives_the_loss_of_every_cell_at_matched_tokens_and_the_order
             "ResFormer < SATFormer; 262,144: SATFormer < ResFormer < Transformer.") in text
 
 
+@pytest.mark.slow  # make test-full
 def test_a_longer_budget_report_says_whether_the_shorter_ablations_order_persists(tmp_path: Path) -> None:
     """Shakespeare: the short run ends with SATFormer best and the long one keeps it; KJV: the order at the short
     budget turns round by the end of the long one."""

@@ -142,6 +142,7 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow  # make test-full
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory sets glibc's mallopt; elsewhere "
                                                                "it is a no-op and the allocator decides")
 @pytest.mark.process

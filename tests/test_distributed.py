@@ -56,7 +56,7 @@ def single_process_losses(workdir):
     return train_losses(workdir, "single", "train.devices=1")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("model_parallel", marks=pytest.mark.slow)])
 @pytest.mark.process
 def test_two_cpu_processes_match_one_process_with_the_same_global_batch(workdir, single_process_losses, strategy):
     """DDP, and FSDP2 sharding through the model-parallel strategy, both on gloo."""

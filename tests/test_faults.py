@@ -143,6 +143,7 @@ def histories(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
             for key in client.get_run(run_id).data.metrics}
 
 
+@pytest.mark.slow  # make test-full (~70 s)
 @pytest.mark.process
 def test_a_server_stopped_and_restarted_mid_run_loses_no_point(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tracking_buffer, "RETRY_SECONDS", 0.5)

@@ -348,6 +348,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # make test-full (~25 s); the rank decisions above are the fast part
 @pytest.mark.process
 def test_two_rank_torchrun_job_prepares_once(tmp_path):
     """torchrun starts both ranks at once; rank 0 prepares (holding on until rank 1 has looked for the data in

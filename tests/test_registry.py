@@ -20,6 +20,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.loader import load_experiment
 from satlab.console import console
 from satlab.models import ARCHITECTURES, Architecture, build_model, count_params, register
+from satlab.models.parametrization import SCALAR
 from satlab.models.streams import DepthContext, ResidualStream
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, create_parent_run
@@ -28,6 +29,8 @@ from satlab.studies.spec import AblationSpec
 
 class ScaledResidual(ResidualStream):
     """x <- x + s·(block(x) - x): the residual branch scaled by a learned scalar (1 at the start)."""
+
+    param_classes = {"scale": SCALAR}  # what model.parametrization derives its rules from (an undeclared one fails)
 
     def __init__(self, cfg):
         super().__init__(cfg)

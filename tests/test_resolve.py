@@ -163,6 +163,7 @@ MICRO = {  # the smallest cell that trains (tests/test_ablate.py's)
 }
 
 
+@pytest.mark.slow  # make test-full
 @pytest.mark.process
 def test_report_finds_an_ablation_run_from_a_spec_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,6 +47,7 @@ def state(spec, client: mlflow.MlflowClient, parent: str) -> tuple:
             {k: r.info.run_id for k, r in cell_runs(client, parent).items()}, files)
 
 
+@pytest.mark.slow  # make test-full (~120 s); the dry run below is fast
 @pytest.mark.process
 def test_a_sequential_ablation_runs_look_by_look_records_every_look_and_resumes(tmp_path, capsys):
     path = write_spec(tmp_path)
@@ -99,3 +100,13 @@ def test_a_sequential_ablation_runs_look_by_look_records_every_look_and_resumes(
     assert "no longer match" in third.failed["sequential"] and third.finished == []
     assert GridPlan(spec).recorded_study().user_attrs[SEQUENTIAL_LOOKS] == tampered  # kept, not overwritten
     assert "no longer match" in client.get_run(result.parent_run_id).data.tags[REPLAY_TAG]
+
+
+def test_the_dry_run_before_any_look_prints_the_plan_and_the_first_looks_cells(tmp_path, capsys):
+    path = write_spec(tmp_path)
+    assert satlab_main(["ablate", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "sequential plan: val/loss (lower is better), alpha 0.05" in out and "looks [3, 4]" in out
+    assert "no look recorded yet" in out and "next: look 1 (study): 6 cell(s) to run" in out
+    assert sum(line.startswith("  optim.lr=") for line in out.splitlines()) == 6
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()

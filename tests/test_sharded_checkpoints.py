@@ -206,6 +206,7 @@ def finish(proc: subprocess.Popen, log) -> None:
     assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
 
 
+@pytest.mark.slow  # make test-full (~65 s)
 @pytest.mark.process
 def test_two_ranks_killed_then_resumed_from_sharded_checkpoints_match_an_uninterrupted_run(tmp_path, processes,
                                                                                         monkeypatch):

@@ -113,6 +113,7 @@ def stop_with_sigterm(tmp_path: Path, name: str, step: int, *extra: str) -> None
     assert run.info.status == "KILLED" and run.data.tags[END_TAG].startswith(f"KILLED at step {step}: SIGTERM")
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 @pytest.mark.parametrize("step", [20, 25], ids=["at-a-checkpoint-step", "between-checkpoints"])
 def test_sigterm_then_the_same_command_gives_the_uninterrupted_history(tmp_path, reference, cache, step):
     """Step 20 has a validation and a checkpoint before the stop; the SIGTERM checkpoint (``last.ckpt``, preferred on
@@ -124,6 +125,7 @@ def test_sigterm_then_the_same_command_gives_the_uninterrupted_history(tmp_path,
     assert tags[END_HISTORY_TAG].splitlines()[0].startswith(f"KILLED at step {step}: SIGTERM")
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 def test_a_run_moved_to_another_out_dir_continues_its_mlflow_run(tmp_path, reference, cache):
     """What the exit-74 message tells a user: the run folder moved to another disk (train.out_dir), the same
     command with that out_dir continues the same MLflow run, its run.json travelling with the folder."""
@@ -136,6 +138,7 @@ def test_a_run_moved_to_another_out_dir_continues_its_mlflow_run(tmp_path, refer
     assert tags["run_dir"] == str((elsewhere / "moved").resolve())
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 def test_an_extended_budget_logs_every_step_once(tmp_path, reference, cache):
     """A finished run of HALF the steps, run again with train.max_tokens of the reference, against the reference.
     The cosine schedule (and its warmup) is stretched over the budget, so the learning rate of every step differs
@@ -159,6 +162,7 @@ def test_an_extended_budget_logs_every_step_once(tmp_path, reference, cache):
     assert same and all(got[p] for p in same), [p for p in same if not got[p]][:8]
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 def test_a_time_limited_run_continues_with_the_same_command(tmp_path, reference, cache):
     """train.max_time_minutes bounds one command's training: each attempt stops with its state saved (KILLED,
     exit code 75 from the CLI) and the same command goes on from there until the budget is reached."""
@@ -174,6 +178,7 @@ def test_a_time_limited_run_continues_with_the_same_command(tmp_path, reference,
     assert tags[END_HISTORY_TAG].count("TimeLimitReached") == stops
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 @pytest.mark.process
 def test_kill_9_before_the_first_checkpoint_restarts_in_the_same_mlflow_run(tmp_path, reference, cache):
     """The first checkpoint is at the end (train.ckpt_every_tokens is the whole budget), so both kills land in a run
@@ -199,6 +204,7 @@ def test_kill_9_before_the_first_checkpoint_restarts_in_the_same_mlflow_run(tmp_
     assert_one_finished_run_like(tmp_path, "early", reference)
 
 
+@pytest.mark.slow  # make test-full: the fast suite stops and resumes a run in test_resilience
 @pytest.mark.process
 def test_an_interrupted_ablation_cell_rerun_leaves_one_finished_child_run(tmp_path):
     """Ctrl-C to the driver while the first cell trains, then the same command: every cell has one child run,
