@@ -350,20 +350,27 @@ class AblationSpec(StudySpec):
             short = {k: k for k in keys}
         short = {k: "arch" if k == "model.arch" else v for k, v in short.items()}
         cells = []
-        for combo in itertools.product(*self.axes.values()):
+        for combo in self.combinations():
             values = tuple(zip(keys, combo, strict=True))
-            if self.grids and not any(self.selects(grid, values) for grid in self.grids):
-                continue
             slug = ",".join(f"{short[k]}={_SLUG_UNSAFE.sub('-', format_value(v))}" for k, v in values)
             cells.append(Cell(values, self.seed_key, slug))
         if len({c.slug for c in cells}) < len(cells):  # values that only differ in unsafe characters
             cells = [dataclasses.replace(c, slug=f"{i:03d}-{c.slug}") for i, c in enumerate(cells)]
         return cells
 
-    @staticmethod
-    def selects(grid: Mapping[str, Any], values: Sequence[tuple[str, Any]]) -> bool:
-        """Whether the sub-grid ``grid`` (axis -> the values it keeps) holds the cell of ``values``."""
-        return all(format_value(v) in map(format_value, grid[k]) for k, v in values if k in grid)
+    def combinations(self) -> list[tuple]:
+        """The axis values of every cell, first axis slowest: the whole product, or the union of the sub-grids'
+        products (built from each sub-grid, not by filtering the whole product, which grows with every axis)."""
+        if not self.grids:
+            return list(itertools.product(*self.axes.values()))
+        picked: set[tuple[int, ...]] = set()
+        for grid in self.grids:
+            kept = {k: set(map(format_value, grid[k])) for k in grid}
+            choices = [[i for i, v in enumerate(values) if k not in kept or format_value(v) in kept[k]]
+                       for k, values in self.axes.items()]
+            picked.update(itertools.product(*choices))
+        values = list(self.axes.values())
+        return [tuple(values[a][i] for a, i in enumerate(index)) for index in sorted(picked)]
 
     def run_order(self) -> list[Cell]:
         """The cells in the order they run: seed by seed, so an interrupted ablation leaves whole replicates."""
