@@ -27,6 +27,7 @@ def test_a_paired_ratio_is_the_geometric_mean_with_the_t_interval_of_the_log_rat
     assert PairedRatio("transformer", [1.0]).half_width == math.inf  # one round bounds nothing
 
 
+@pytest.mark.slow  # make test-full
 def test_the_bench_goes_on_until_the_interval_is_narrow_enough_or_says_it_is_not(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--archs", "transformer,satformer", "--batch", "2", "--seq-len", "32", "--warmup", "1",
@@ -159,6 +160,7 @@ def test_freed_memory_stays_in_the_process_so_the_next_step_does_not_fault_its_p
     assert int(runs["keep"][1]) < int(runs["default"][1]) / 3
 
 
+@pytest.mark.slow  # make test-full
 def test_the_data_bench_measures_each_process_count_and_extrapolates_to_the_presets(tmp_path, monkeypatch):
     import mlflow
 

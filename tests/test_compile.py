@@ -5,6 +5,7 @@ without spending minutes generating CPU kernels."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -82,6 +83,7 @@ def test_completep_compiles_once_for_every_depth():
     assert models[-1].multipliers.branch != models[len(ARCHITECTURES) - 1].multipliers.branch
 
 
+@pytest.mark.slow  # make test-full (~40 s); every architecture and completep compile in the fast suite
 def test_the_reference_mixing_compiles_the_whole_depth_loop_in_one_graph():
     """With ``model.mixing_impl=reference`` (what ``auto`` resolves to on a GPU) compile_blocks compiles the depth
     loop too, the blocks traced inline, so that inductor can fuse the mixing between them: it matches eager, makes

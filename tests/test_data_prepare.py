@@ -54,6 +54,7 @@ def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packing, "BATCH_ROWS", 16)
 
 
+@pytest.mark.slow  # make test-full; the crashed preparation below is the fast case
 def test_one_and_two_processes_write_the_same_bytes(parquet: Path, reference, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     small_shards(monkeypatch)  # many batches in flight, so an out-of-order write would show
@@ -111,6 +112,7 @@ prepare_data(DataConfig(source=sys.argv[1], cache_dir=sys.argv[2], num_proc=2,
 """
 
 
+@pytest.mark.slow  # make test-full; the crashed preparation below is the fast case
 @pytest.mark.process
 def test_a_killed_preparation_resumes_to_the_same_bytes(parquet: Path, reference, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ def test_experiment_family_of_a_preset():
     assert experiment_family("custom") is None and experiment_family("/somewhere/else.yaml") is None
 
 
+@pytest.mark.slow  # make test-full (~35 s)
 @pytest.mark.process
 def test_two_tiny_runs_share_one_experiment_with_arch_tags_and_are_running_while_they_train(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"

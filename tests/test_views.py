@@ -157,6 +157,7 @@ def test_make_ui_serves_the_store_it_is_given_and_refuses_a_server_url(tmp_path)
 needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium: apt-get install chromium")
 
 
+@pytest.mark.slow  # make test-full
 @needs_chromium
 @pytest.mark.process
 def test_the_screenshot_tool_saves_a_rendered_page_and_fails_on_one_that_never_renders(tmp_path):
