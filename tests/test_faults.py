@@ -225,7 +225,8 @@ def disk_size_for(checkpoints: float) -> int:
     return int(checkpoints * checkpoint_bytes({"three copies": [torch.empty(params, device="meta")] * 3}))
 
 
-@pytest.mark.parametrize("precheck", [True, False], ids=["checked before the write", "write fails midway"])
+@pytest.mark.parametrize("precheck", [pytest.param(True, marks=pytest.mark.slow), False],  # one in the fast suite
+                         ids=["checked before the write", "write fails midway"])
 @pytest.mark.process
 def test_a_full_disk_stops_the_run_with_its_own_message_and_code_and_keeps_the_last_checkpoint(
         precheck, tmp_path, small_disk, monkeypatch, capsys):

@@ -200,6 +200,7 @@ def test_micro_sweep_trials_name_their_architecture_and_report_at_tokens_seen(mi
     assert trials[1e-3].constraints["gate_saturation"] == 1.0 and trials[1e-3].user_attrs["feasible"] is False
 
 
+@pytest.mark.slow  # make test-full: it runs the sweep again
 @pytest.mark.process
 def test_micro_sweep_parent_run_carries_the_results_once_per_rerun(micro_sweep):
     folder, spec, _ = micro_sweep
