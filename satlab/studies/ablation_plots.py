@@ -25,7 +25,7 @@ def loss_curves(groups: Sequence[GroupResult], labels: dict[str, str], path: Pat
         plt.close(figure)
         return None
     axes.xaxis.set_major_formatter(EngFormatter())
-    return _save(figure, path, title, axes, "tokens seen (the untrained validation at 0 left out)", ylabel)
+    return save_figure(figure, path, title, axes, "tokens seen (the untrained validation at 0 left out)", ylabel)
 
 
 def draw_curves(axes: plt.Axes, groups: Sequence[GroupResult], labels: dict[str, str]) -> bool:
@@ -68,7 +68,7 @@ def metric_vs_axis(groups: Sequence[GroupResult], axis: str, line_key: str, metr
         plt.close(figure)
         return None
     axes.set_xticks(range(len(points)), [str(p) for p in points])
-    return _save(figure, path, title, axes, axis, metric.replace("_", " "))
+    return save_figure(figure, path, title, axes, axis, metric.replace("_", " "))
 
 
 def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, columns: int = 3) -> Path | None:
@@ -83,10 +83,10 @@ def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, colum
     for ax, (label, image) in zip(grid.flat, items, strict=False):
         ax.imshow(plt.imread(image))
         ax.set_title(label, fontsize=10)
-    return _save(figure, path, title, dpi=110)
+    return save_figure(figure, path, title, dpi=110)
 
 
-def _save(figure: plt.Figure, path: Path, title: str, axes: plt.Axes | None = None, xlabel: str = "",
+def save_figure(figure: plt.Figure, path: Path, title: str, axes: plt.Axes | None = None, xlabel: str = "",
           ylabel: str = "", dpi: int = 120) -> Path:
     """Title the figure (and label, grid and legend a line plot's ``axes``), write it to ``path`` and close it."""
     if axes is None:

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from satlab.studies.ablation_claims import arch_names, point_label  # noqa: E402
+from satlab.studies.ablation_plots import save_figure
 from satlab.studies.results import GroupResult  # noqa: E402
 from satlab.studies.spec import AblationSpec  # noqa: E402
 from satlab.studies.survival import KaplanMeier, kaplan_meier, median_time, restricted_mean, wilson  # noqa: E402
@@ -126,12 +127,7 @@ def bind_curves(arms: Sequence[ArmBind], path: Path, title: str) -> Path | None:
         ax.legend(fontsize=7)
     for ax in grid[:, 0]:
         ax.set_ylabel("fraction bound (Kaplan-Meier)")
-    figure.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, title, dpi=110)
 
 
 def bind_section(spec: AblationSpec, groups: Sequence[GroupResult], labels: dict[str, str], out: Path) \

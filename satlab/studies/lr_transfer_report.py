@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from satlab.studies.ablation_claims import arch_names  # noqa: E402
+from satlab.studies.ablation_plots import save_figure
 from satlab.studies.lr_transfer import INTERIOR, Optimum, optimum, series_verdict  # noqa: E402
 from satlab.studies.results import GroupResult  # noqa: E402
 from satlab.studies.spec import AblationSpec, format_value  # noqa: E402
@@ -125,12 +126,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], path: Path, title: str) -> 
                ylabel="final validation loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    figure.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, title, dpi=110)
 
 
 def sweep_record(spec: AblationSpec, entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
