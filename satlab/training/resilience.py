@@ -98,7 +98,7 @@ class RunLock:
         if self.fd is None:
             return
         if exc_type is not None and self.created and not any(p.name != LOCK_FILE for p in self.path.parent.iterdir()):
-            self.path.unlink()  # while still locked: a process waiting for it opens a new file
+            self.path.unlink()  # before the unlock, so no other process takes a lock on this file in between
             for folder in self.created:
                 if not any(folder.iterdir()):
                     folder.rmdir()
