@@ -32,6 +32,19 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_every_architecture(n_layers: int, idx: torch.Tensor, **cfg) -> tuple[list, dict[str, int]]:
+    """Each architecture built at ``n_layers``, its blocks compiled (fullgraph) and stepped once: the models and the
+    graphs each one added."""
+    models, new_graphs = [], {}
+    for arch in ARCHITECTURES:
+        before = graphs()
+        models.append(build_model(dict(arch=arch, n_layers=n_layers, **CFG, **cfg)))
+        compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
+        step(models[-1], idx)
+        new_graphs[arch] = graphs() - before
+    return models, new_graphs
+
+
 def test_every_architecture_compiles_a_few_graphs_that_serve_every_depth():
     """All architectures in one process, as the bench and the GPU check run them (they share Block's code, and their
     graphs add up past torch's default recompile limit of 8): a few graphs each at 11 layers, none more at 24 (no
@@ -41,20 +54,11 @@ def test_every_architecture_compiles_a_few_graphs_that_serve_every_depth():
     torch._dynamo.reset()
     counters.clear()
     idx = torch.randint(0, 101, (2, 16))
-    models, new_graphs = [], {}
-    for arch in ARCHITECTURES:
-        before = graphs()
-        models.append(build_model(dict(arch=arch, n_layers=11, **CFG)))
-        compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
-        step(models[-1], idx)
-        new_graphs[arch] = graphs() - before
+    models, new_graphs = compile_every_architecture(11, idx)
     assert new_graphs["transformer"] > 0 and max(new_graphs.values()) <= MOST_GRAPHS, new_graphs
     total = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for arch in ARCHITECTURES:
-            models.append(build_model(dict(arch=arch, n_layers=24, **CFG)))
-            compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
-            step(models[-1], idx)
+        models += compile_every_architecture(24, idx)[0]
         for model in models:
             step(model, idx)
     assert graphs() == total
@@ -66,21 +70,14 @@ def test_completep_compiles_once_for_every_depth():
     torch._dynamo.reset()
     counters.clear()
     idx = torch.randint(0, 101, (2, 16))
-    completep = dict(CFG, parametrization="completep", base_width=16, base_depth=3)
-    models = []
-    for arch in ARCHITECTURES:
-        models.append(build_model(dict(arch=arch, n_layers=11, **completep)))
-        compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
-        step(models[-1], idx)
-    assert 0 < graphs() <= MOST_GRAPHS * len(ARCHITECTURES)
+    completep = dict(parametrization="completep", base_width=16, base_depth=3)
+    shallow, new_graphs = compile_every_architecture(11, idx, **completep)
+    assert graphs() > 0 and max(new_graphs.values()) <= MOST_GRAPHS, new_graphs
     total = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for arch in ARCHITECTURES:
-            models.append(build_model(dict(arch=arch, n_layers=24, **completep)))
-            compile_blocks(models[-1], backend="aot_eager", fullgraph=True)
-            step(models[-1], idx)
+        deep = compile_every_architecture(24, idx, **completep)[0]
     assert graphs() == total
-    assert models[-1].multipliers.branch != models[len(ARCHITECTURES) - 1].multipliers.branch
+    assert deep[-1].multipliers.branch != shallow[-1].multipliers.branch
 
 
 @pytest.mark.slow  # make test-full (~40 s); every architecture and completep compile in the fast suite
