@@ -300,6 +300,9 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     html = result.report["html"].read_text()
     assert result.report["loss_curves"].exists() and "<table>" in html and '<img src="data:image/png;base64,' in html
     assert set(summary["groups"]) == {"transformer", "satformer"} and summary["groups"]["satformer"]["cells"] == 2
+    compute = summary["compute"]  # every trial process's CPU time is on its run, and summed in the report
+    assert (compute["runs"], compute["runs_timed"]) == (4, 4) and 0 < compute["cpu_hours"] < 0.5
+    assert f"Compute: {compute['cpu_hours']:.2f} CPU-hours" in markdown
     assert_results_on_parent(client, result.parent_run_id, summary)
     logged = {a.path for a in client.list_artifacts(result.parent_run_id, "report")}
     assert {"report/report.md", "report/report.html", "report/loss_curves.png"} <= logged

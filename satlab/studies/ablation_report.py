@@ -11,7 +11,7 @@ MLflow's artifact viewer cannot load the files beside it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +38,9 @@ from satlab.studies.results import (
     Column,
     GroupResult,
     Measures,
+    cell_runs,
     collect,
+    compute_used,
     download_heatmap,
     measures_for,
 )
@@ -252,16 +254,17 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
         saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
     sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
+    compute = compute_used(cell_runs(client, parent_run_id))
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
                                                       *saturation_lines], [*bind_lines, *transfer_lines],
-                           wanted=None if sequential is None else set(sequential["wanted"]))
+                           wanted=None if sequential is None else set(sequential["wanted"]), compute=compute)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
                "budget_comparison": budgets, "saturation": saturation, "sequential": sequential,
-               "time_to_bind": bind_summary, "lr_transfer": transfer,
+               "time_to_bind": bind_summary, "lr_transfer": transfer, "compute": compute,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),
@@ -300,9 +303,10 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                     verdicts: list[Verdict], files: dict[str, Path], parent_run_id: str, tracking_uri: str,
                     measures: Measures, matched: list[list[str]], orders: dict[str, dict[str, list[str]]],
                     budgets: dict[str, dict] | None, saturation: Sequence[str] = (), bind: Sequence[str] = (),
-                    wanted: set[str] | None = None) -> str:
+                    wanted: set[str] | None = None, compute: Mapping[str, float] | None = None) -> str:
     """The report's Markdown. ``wanted``: the cells a sequential plan has asked for so far (None: every cell); the
-    Runs table says of the others that the plan did not need them, rather than that they did not finish."""
+    Runs table says of the others that the plan did not need them, rather than that they did not finish.
+    ``compute``: :func:`satlab.studies.results.compute_used` of the cells' runs."""
     axes = " × ".join(f"`{k}` ({len(v)})" for k, v in spec.axes.items())
     axes += f", the union of {len(spec.grids)} sub-grids of them ({len(spec.cells())} cells)" if spec.grids else ""
     fixed = ", ".join(f"`{k}={format_value(v)}`" for k, v in spec.overrides.items()) or "none"
@@ -311,7 +315,7 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
              f"Axes: {axes}; cells that differ only in `{spec.seed_key}` are grouped.", "",
              f"Finished cells: {sum(len(g.cells) for g in groups)} of {sum(g.expected for g in groups)}. MLflow: "
              f"`{tracking_uri}`, experiment `{spec.experiment_name}`, parent run `{parent_run_id}`.", "",
-             "## Results", ""]
+             *([compute_text(compute), ""] if compute else []), "## Results", ""]
     if measures is RECALL_MEASURES:
         against = ("against the Transformer and ResFormer groups at the same values of the other axes (for steps, "
                    "only when every cell of both groups reached it)" if "model.arch" in spec.group_axes() else
@@ -381,6 +385,14 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
             else "not needed by the sequential plan"
         lines.append(f"| `{cell.key}` | {run} | {'—' if value is None else headline.fmt.format(value)} |")
     return "\n".join(lines) + "\n"
+
+
+def compute_text(compute: Mapping[str, float]) -> str:
+    untimed = int(compute["runs"] - compute["runs_timed"])
+    return (f"Compute: {compute['cpu_hours']:.2f} CPU-hours (user + system time of the trial processes, every attempt "
+            f"of a cell) over {compute['runs_timed']} cell runs"
+            + (f"; {untimed} more ran before satlab recorded CPU time or were killed before they could, and are not "
+               "counted" if untimed else "") + ".")
 
 
 def curve_lines(files: dict[str, Path], measures: Measures) -> list[str]:

@@ -16,9 +16,10 @@ LOG = "log_file"
 RETRY_OF = "retry_of"
 WORKER = "worker"  # host:pid of the driver running the trial, so a driver on the same host can see it died
 IGNORED = "ignored"  # why a grid trial does not count for its cell: another worker had it, or none was left
+CPU_SECONDS = "cpu_seconds"  # CPU time (user + system, the process and its children) of the attempt that ended it
 CELL = "cell"  # a grid trial's cell key, given when the cell is queued (its parameters are set once it runs)
 ATTEMPT_ATTRS = (REASON, VALUE, SATURATION, TOKENS, WOULD_PRUNE_AT, WOULD_PRUNE_REASON, RUN_ID, PID, LOG, WORKER,
-                 IGNORED)
+                 IGNORED, CPU_SECONDS)
 """Attributes of one attempt: a retried trial inherits the stale one's user attrs and must not keep these."""
 
 PARENT_RUN = "mlflow_parent_run_id"  # study user attributes

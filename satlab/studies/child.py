@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import optuna
 import torch
 
 from satlab.config.loader import load_experiment
+from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.callback import EvaluationCallback
 from satlab.studies import attrs as A
 from satlab.studies.callbacks import TrialCallback, TrialStopped
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.plans import make_pruner
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
-from satlab.studies.spec import KINDS, SweepSpec
+from satlab.studies.spec import KINDS, StudySpec, SweepSpec
 from satlab.studies.storage import open_storage, trial_id
 from satlab.training.launch import pid_alive
 from satlab.training.run import train
@@ -51,6 +54,13 @@ def is_oom(error: BaseException) -> bool:
         or "can't allocate memory" in text
 
 
+def cpu_seconds() -> float:
+    """User and system CPU time of this process and its finished children (data-loader workers): what a trial cost on
+    a shared machine, where its wall time also counts the time it waited for a core."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_trial(experiment: str) -> int:
     cfg = load_experiment(experiment)
     storage = open_storage(os.environ[A.STORAGE_ENV], create_tables=False)
@@ -73,6 +83,17 @@ def run_trial(experiment: str) -> int:
         watch_driver(int(os.environ[A.DRIVER_ENV]), lambda: record("worker_lost"))
     if rank_zero:
         trial.set_user_attr(A.PID, os.getpid())
+    try:
+        return train_trial(cfg, spec, trial, rank_zero, record)
+    finally:
+        if rank_zero:
+            trial.set_user_attr(A.CPU_SECONDS, round(cpu_seconds(), 1))
+
+
+def train_trial(cfg: ExperimentConfig, spec: StudySpec, trial: optuna.Trial, rank_zero: bool,
+                record: Callable[[str], None]) -> int:
+    """Train the trial's experiment and return the exit code that tells the driver how it ended."""
+    search = isinstance(spec, SweepSpec)
     metric = spec.objective.metric if search else "val/loss"
     guard = spec.saturation  # an ablation's only observes (AblationSpec.problems)
     # runs first: its gate statistics are logged, and guard the trial; a trial's log gets no progress bars

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlflow
 from mlflow.entities import Run
 
-from satlab.studies.runs import CELL_TAG, child_runs
+from satlab.studies.runs import CELL_TAG, CPU_METRIC, child_runs
 from satlab.studies.spec import AblationSpec, Cell
 
 
@@ -116,6 +116,13 @@ def cell_runs(client: mlflow.MlflowClient, parent_run_id: str) -> dict[str, Run]
         if CELL_TAG in run.data.tags:
             runs[run.data.tags[CELL_TAG]] = run
     return runs
+
+
+def compute_used(runs: dict[str, Run]) -> dict[str, float | int]:
+    """CPU time of the cells' trial processes (``trial/cpu_seconds``, user + system, every attempt of a cell), and how
+    many cell runs have no record of it (run before satlab recorded it, or killed before they could)."""
+    seconds = [run.data.metrics[CPU_METRIC] for run in runs.values() if CPU_METRIC in run.data.metrics]
+    return {"runs": len(runs), "runs_timed": len(seconds), "cpu_hours": round(sum(seconds) / 3600, 3)}
 
 
 def final_values(runs: dict[str, Run], key: str) -> tuple[dict[str, float], dict[str, list[str]]]:

@@ -18,6 +18,7 @@ import yaml
 from mlflow.entities import Param, Run
 from optuna.trial import FrozenTrial
 
+from satlab.studies import attrs as A
 from satlab.studies.best import is_feasible
 from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec, format_value
 from satlab.studies.storage import safe_url
@@ -32,6 +33,7 @@ CELL_TAG = "satlab.ablation.cell"
 GROUP_TAG = "satlab.ablation.group"
 FINGERPRINT_TAG = "satlab.ablation.fingerprint"
 REASON_TAG = "sweep.reason"
+CPU_METRIC = "trial/cpu_seconds"  # the trial processes' CPU time (user + system), summed over a cell's attempts
 WOULD_PRUNE_TAG = "guard.would_prune_at"  # an observing saturation guard's would-be prune: tokens seen, and why
 WOULD_PRUNE_REASON_TAG = "guard.would_prune_reason"
 FEASIBLE_TAG = "feasible"  # a finished or pruned trial's run: "true" when it met its constraints (satlab.studies.best)
@@ -148,6 +150,10 @@ def close_trial_run(client: mlflow.MlflowClient, parent_run_id: str, study_name:
         client.set_tag(run_id, END_TAG, f"{state.lower()}: {reason or 'no reason recorded'}"[:5000])
     if log_file is not None and log_file.exists():
         client.log_artifact(run_id, str(log_file), "trial")
+    cpu = trial.user_attrs.get(A.CPU_SECONDS)
+    if cpu is not None:  # summed over the attempts of a cell interrupted and resumed (each adds its own)
+        earlier = client.get_run(run_id).data.metrics.get(CPU_METRIC, 0.0)
+        client.log_metric(run_id, CPU_METRIC, earlier + float(cpu))
     status = "KILLED" if reason == INTERRUPTED else RUN_STATUS.get(state, "FAILED")
     if client.get_run(run_id).info.status != status:
         client.set_terminated(run_id, status)

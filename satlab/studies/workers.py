@@ -273,13 +273,15 @@ class TrialRunner:
             else:
                 self.failures[point.key] = reason or "no reason recorded"
         minutes = trial.duration.total_seconds() / 60 if trial.duration else 0.0
+        cpu = trial.user_attrs.get(A.CPU_SECONDS)
         style = {"COMPLETE": "green", "PRUNED": "yellow"}.get(trial.state.name, "red")
         tokens = trial.user_attrs.get(A.TOKENS)
         outcome = f"val/loss {trial.value:.4f}" if isinstance(self.plan, GridPlan) and trial.value is not None else \
             f"{self.spec.objective.metric} {trial.value:.4f}" if trial.state.name == "COMPLETE" else \
             f"at {tokens:,} tokens" if trial.state.name == "PRUNED" and tokens is not None else ""
         self.console.print(f"trial {trial.number:>3} [{style}]{trial.state.name.lower()}[/] {outcome}"
-                           f"{f' ({reason})' if reason else ''} after {minutes:.1f} min: {format_params(trial.params)}",
+                           f"{f' ({reason})' if reason else ''} after {minutes:.1f} min"
+                           f"{f' ({cpu / 60:.1f} CPU-min)' if cpu is not None else ''}: {format_params(trial.params)}",
                            soft_wrap=True)
 
 
