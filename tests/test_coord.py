@@ -8,6 +8,7 @@ import math
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from satlab.bench.coord import coord_check, fit_slope, measure, series_slopes, shape_config, token_batch, verdict, worst
 from satlab.bench.coord_settings import SP_SLOPE_SIGNAL, TRANSFER_SLOPE_LIMIT, CoordSettings, Shape
@@ -29,6 +30,29 @@ def test_slopes_of_synthetic_rms_are_the_exponents_they_were_made_with():
     # points without a positive, finite RMS are left out; fewer than two points give no slope
     assert fit_slope([2, 4, 8], [1.0, 0.0, 4.0]) == pytest.approx(1.0)  # through (2, 1) and (8, 4)
     assert fit_slope([2, 4, 8], [0.0, math.nan, 4.0]) != fit_slope([2, 4, 8], [0.0, math.nan, 4.0])  # NaN
+
+
+def test_the_depth_verdict_leaves_out_the_first_blocks_stream_and_nothing_else():
+    """block_out[first] sits at relative depth 1/L (a different place in each model of the depth series): its slope
+    is kept in the data but not judged against depth; it is judged against width, as every other probe is."""
+    slopes = {"block_out[first]": [0.0, -1.0], "block_out[mid]": [0.0, 0.05], "mlp_out[last]": [0.0, 0.3]}
+    assert worst(slopes, "depth")["probe"] == "mlp_out[last]"
+    assert worst(slopes, "width")["probe"] == "block_out[first]"
+    del slopes["mlp_out[last]"]
+    assert worst(slopes, "depth")["slope"] == pytest.approx(0.05)
+
+
+def test_per_layer_probes_are_read_at_the_first_the_middle_and_the_last_layer():
+    from satlab.bench.coord import Probes
+    from satlab.models import build_model
+
+    cfg = shape_config(Shape("transformer", "depth", 32, 1), CoordSettings(archs=["transformer"], **TINY))
+    probes = Probes(build_model(cfg.model))
+    for depth, mid in ((1, 0), (2, 0), (4, 1), (6, 2), (8, 3)):  # after ceil(L/2) of L blocks
+        for layer in range(depth):
+            probes.add("block_out", layer, torch.full((4,), float(layer + 1)))
+        got = probes.collect()
+        assert (got["block_out[first]"], got["block_out[mid]"], got["block_out[last]"]) == (1.0, mid + 1, depth)
 
 
 def test_verdicts_follow_the_fixed_thresholds():
@@ -60,7 +84,6 @@ def test_every_probe_of_an_architecture_is_recorded_at_every_step(arch, own):
 
 
 def test_the_attention_logits_probe_is_q_dot_k_at_the_modules_scale():
-    import torch
 
     from satlab.bench.coord import Probes
     from satlab.models import build_model
@@ -187,7 +210,6 @@ def test_completep_flattens_the_slopes_that_sp_shows(arch):
 @pytest.mark.parametrize("scale", [None, 0.125])
 def test_the_attention_logits_probe_takes_the_scale_the_call_passes(scale):
     """A parametrisation that scales the logits by 1/d_head passes its own scale: the probe must use it."""
-    import torch
     import torch.nn.functional as F
 
     from satlab.bench.coord import Probes

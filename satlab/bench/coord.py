@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from satlab.bench.coord_settings import (
     FIRST_CHECKED_STEP,
+    NOT_COMPARED,
     SP_SLOPE_SIGNAL,
     TRANSFER_SLOPE_LIMIT,
     CoordSettings,
@@ -122,7 +123,9 @@ class Probes(TorchFunctionMode):
             if kind not in PER_LAYER:
                 out[kind] = rms[0]
                 continue
-            out[f"{kind}[first]"], out[f"{kind}[last]"] = rms[min(rms)], rms[max(rms)]
+            layers = sorted(rms)
+            out[f"{kind}[first]"], out[f"{kind}[last]"] = rms[layers[0]], rms[layers[-1]]
+            out[f"{kind}[mid]"] = rms[layers[math.ceil(len(layers) / 2) - 1]]  # relative depth 1/2 at even depths
             out[f"{kind}[all]"] = math.sqrt(sum(s for s, _ in entries.values()) / sum(n for _, n in entries.values()))
         self.sums.clear()
         return out
@@ -268,10 +271,11 @@ def series_slopes(xs: Sequence[int], rms: Sequence[dict[str, list[float]]]) -> d
             for p in probes}
 
 
-def worst(slopes: dict[str, list[float]]) -> dict | None:
-    """The largest |slope| from :data:`FIRST_CHECKED_STEP` on: {slope, probe, step}, or None when none is finite."""
+def worst(slopes: dict[str, list[float]], series: str = "width") -> dict | None:
+    """The largest |slope| from :data:`FIRST_CHECKED_STEP` on, over the probes the series compares
+    (:data:`NOT_COMPARED`): {slope, probe, step}, or None when none is finite."""
     found = [(abs(v), p, s, v) for p, values in slopes.items() for s, v in enumerate(values)
-             if s >= FIRST_CHECKED_STEP and math.isfinite(v)]
+             if s >= FIRST_CHECKED_STEP and math.isfinite(v) and p not in NOT_COMPARED.get(series, {})]
     if not found:
         return None
     _, probe, step, value = max(found)
@@ -319,7 +323,7 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
             entry["series"][series] = {"x": xs, "rms": [m.rms for m in measured],
                                        "losses": [m.losses for m in measured], "params": [m.params for m in measured],
                                        "seconds": [m.seconds for m in measured], "slopes": slopes,
-                                       "worst": worst(slopes)}
+                                       "worst": worst(slopes, series)}
         entry["verdict"] = verdict(entry["parametrization"], entry["series"]["width"]["worst"],
                                    entry["series"]["depth"]["worst"])
         report["archs"][arch] = entry

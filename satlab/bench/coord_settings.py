@@ -13,6 +13,14 @@ below this at every step from :data:`FIRST_CHECKED_STEP` on. Fixed before any ru
 SP_SLOPE_SIGNAL = 0.3
 """The check can fail: under the standard parametrisation some probe's |slope| must exceed this (it does when the
 measurement is sensitive enough to see what μP fixes). Fixed before any run."""
+NOT_COMPARED = {"depth": {
+    "block_out[first]": "the residual stream after the first of L blocks is at relative depth 1/L, a different place "
+                        "in each model of the depth series: under CompleteP it is the embedding plus one branch "
+                        "scaled 1/L, so it shrinks with depth by design; block_out[mid] and block_out[last] compare "
+                        "the stream at the same relative depth (1/2 and 1)"}}
+"""Probes recorded but left out of a series' verdict, with the reason (shown in the report). Decided after the first
+full-grid run under CompleteP (docs/results/2026-12-04-coord-completep.md), which found block_out[first] the worst
+depth slope of the residual architectures; the thresholds did not change."""
 FIRST_CHECKED_STEP = 1
 """Step 0 is the initial model; the thresholds apply from the first step after an update on."""
 DEFAULT_WIDTHS = (64, 128, 256, 512, 1024)

@@ -8,7 +8,15 @@ from pathlib import Path
 
 from rich.table import Table
 
-from satlab.bench.coord_settings import DEFAULT_DEPTHS, DEFAULT_STEPS, DEFAULT_WIDTHS, HEAD_DIM, CoordSettings, shapes
+from satlab.bench.coord_settings import (
+    DEFAULT_DEPTHS,
+    DEFAULT_STEPS,
+    DEFAULT_WIDTHS,
+    HEAD_DIM,
+    NOT_COMPARED,
+    CoordSettings,
+    shapes,
+)
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.console import console as make_console
@@ -129,5 +137,7 @@ def verdict_table(report: dict) -> Table:
         table.add_row(arch, *cells, entry["verdict"]["rule"], entry["verdict"]["result"])
     table.caption = (f"thresholds fixed in satlab/bench/coord_settings.py: mup/completep |slope| < "
                      f"{thresholds['transfer_slope_limit']}; the sp control needs some |slope| > "
-                     f"{thresholds['sp_slope_signal']}; took {report['seconds']:.0f} s")
+                     f"{thresholds['sp_slope_signal']}; took {report['seconds']:.0f} s"
+                     + "".join(f"; left out of the {series} verdict: {probe} ({why})"
+                               for series, probes in NOT_COMPARED.items() for probe, why in probes.items()))
     return table
