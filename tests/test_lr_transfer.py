@@ -16,7 +16,7 @@ from satlab.cli.main import main
 from satlab.config.errors import ConfigError
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.lr_transfer import ABOVE, INTERIOR, NO_MINIMUM, fit_quadratic, optimum, series_verdict
-from satlab.studies.lr_transfer_report import lr_transfer_section
+from satlab.studies.lr_transfer_report import lr_transfer_section, wider_is_better, wider_text
 from satlab.studies.results import CellResult, GroupResult
 from satlab.studies.spec import AblationSpec
 
@@ -135,7 +135,8 @@ def finished_groups(spec: AblationSpec, optimum_of: dict[tuple[int, int], float]
         shape = (values["model.d_model"], values["model.n_layers"])
         loss = 0.2 * (math.log2(values["optim.lr"]) - optimum_of[shape]) ** 2 + 4 + rng.normal(0, 0.01)
         group = groups.setdefault(cell.group, GroupResult(cell.group, values, 0))
-        group.cells.append(CellResult(cell, f"run-{cell.slug}", {"val_loss": loss}, 1000 * shape[0], []))
+        curve = [(100.0 * k, loss + 0.5 / k) for k in (1, 2, 3)]
+        group.cells.append(CellResult(cell, f"run-{cell.slug}", {"val_loss": loss}, 1000 * shape[0], curve))
     return list(groups.values())
 
 
@@ -155,10 +156,25 @@ def test_report_section_on_synthetic_results(tmp_path: Path) -> None:
     assert series["depth_shift"] == pytest.approx(1.5, abs=0.15)
     assert summary["sweep"]["base_params"] == 32000
     assert summary["sweep"]["tokens_per_param"] == pytest.approx(summary["sweep"]["max_tokens"] / 32000)
+    wider = series["wider_is_better"]  # the width series at the base depth, every learning rate checked
+    assert wider["widths"] == ["d_model=32 n_layers=2", "d_model=64 n_layers=2", "d_model=128 n_layers=2"]
+    assert len(wider["holds_at"]) + len(wider["broken"]) == len(spec.axes["optim.lr"])
+    assert "Wider is better (mean validation loss strictly lower" in text
     good = finished_groups(spec, {(32, 2): -9.0, (64, 2): -9.1, (128, 2): -8.9, (32, 4): -9.05})
     assert "**transfers**" in "\n".join(lr_transfer_section(spec, good, tmp_path)[0])
     off = transfer_spec(lr_transfer={})
     assert lr_transfer_section(off, groups, tmp_path) == ([], None, None)
+
+
+def test_wider_is_better_holds_only_where_every_wider_model_is_lower_at_every_step() -> None:
+    narrow = {1e-3: {100.0: 5.0, 200.0: 4.0}, 2e-3: {100.0: 5.0, 200.0: 4.0}, 4e-3: {100.0: 5.0}}
+    middle = {1e-3: {100.0: 4.9, 200.0: 3.9}, 2e-3: {100.0: 4.9, 200.0: 4.0}, 4e-3: {100.0: 4.0}}
+    wide = {1e-3: {100.0: 4.8, 200.0: 3.8}, 2e-3: {100.0: 4.8, 200.0: 3.7}}  # 4e-3 not run at this width
+    wider = wider_is_better([narrow, middle, wide], ["d=32", "d=64", "d=128"])
+    assert wider["holds_at"] == [1e-3]
+    assert wider["broken"] == [{"lr": 2e-3, "tokens": 200.0, "losses": "d=32 4.0000, d=64 4.0000, d=128 3.7000"}]
+    assert "holds at 1 of 2 learning rates; broken at lr 0.002 (first at lr 0.002, 200 tokens" in wider_text(wider)
+    assert "not checked" in wider_text(wider_is_better([narrow], ["d=32"]))
 
 
 def write_summary(tmp_path: Path) -> Path:

@@ -66,6 +66,7 @@ def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str,
                                             {"values": {k: group.values[k] for k in keys}, "points": {},
                                              "params": group.params})
         shape["points"][float(group.values[plan.lr_key])] = losses
+        shape.setdefault("curves", {})[float(group.values[plan.lr_key])] = mean_curve(group)
     base = shape_label(plan.base, keys)
     out = []
     for label, series in found.items():
@@ -79,9 +80,55 @@ def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str,
         depth = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.width_keys)),
                        key=lambda n: [on[n][k] for k in plan.depth_keys])
         verdict = series_verdict(optima, base, width, depth, plan.tolerance)
+        at_base_depth = sorted((n for n, shape in series["shapes"].items()
+                                if all(shape["values"][k] == plan.base[k] for k in plan.depth_keys)),
+                               key=lambda n: [series["shapes"][n]["values"][k] for k in plan.width_keys])
         out.append({"label": label, "values": series["values"], "base": base, "optima": optima,
-                    "shapes": series["shapes"], "width_series": width, "depth_series": depth, "verdict": verdict})
+                    "shapes": series["shapes"], "width_series": width, "depth_series": depth, "verdict": verdict,
+                    "wider": wider_is_better([series["shapes"][n]["curves"] for n in at_base_depth], at_base_depth)})
     return out
+
+
+def mean_curve(group: GroupResult) -> dict[float, float]:
+    """Tokens -> the mean over the group's seeds of the validation loss, at the token counts every seed logged."""
+    curves = [dict(c.curve) for c in group.cells if c.curve]
+    common = set.intersection(*(set(c) for c in curves)) if curves else set()
+    return {t: float(np.mean([c[t] for c in curves])) for t in sorted(common)}
+
+
+def wider_is_better(curves: Sequence[dict[float, dict[float, float]]], names: Sequence[str]) -> dict[str, Any]:
+    """μP's "wider is better": at each learning rate that every width of the width series ran, whether the mean
+    validation loss falls strictly with width at every token count they all logged. ``curves[i]``: the i-th width's
+    learning rate -> mean curve (widths in increasing order, named by ``names``). The learning rates where it holds,
+    and the first (lr, tokens) where it does not at the others."""
+    holds, broken = [], []
+    shared = set.intersection(*(set(c) for c in curves)) if len(curves) > 1 else set()
+    for lr in sorted(shared):
+        tokens = set.intersection(*(set(c[lr]) for c in curves))
+        if not tokens:
+            continue
+        pairs = list(zip(curves, curves[1:], strict=False))  # each width with the next wider one
+        bad = next((t for t in sorted(tokens) if any(a[lr][t] <= b[lr][t] for a, b in pairs)), None)
+        if bad is None:
+            holds.append(lr)
+        else:
+            losses = ", ".join(f"{n} {c[lr][bad]:.4f}" for n, c in zip(names, curves, strict=True))
+            broken.append({"lr": lr, "tokens": bad, "losses": losses})
+    return {"widths": list(names), "holds_at": holds, "broken": broken}
+
+
+def wider_text(wider: dict[str, Any]) -> str:
+    checked = len(wider["holds_at"]) + len(wider["broken"])
+    if not checked:
+        return "Wider is better: not checked (fewer than two widths ran a learning rate in common)."
+    text = (f"Wider is better (mean validation loss strictly lower at each larger width, at every logged step; "
+            f"widths {', '.join(wider['widths'])}): holds at {len(wider['holds_at'])} of {checked} learning rates")
+    if wider["broken"]:
+        first = wider["broken"][0]
+        lrs = ", ".join(f"{b['lr']:.3g}" for b in wider["broken"])
+        text += (f"; broken at lr {lrs} (first at lr "
+                 f"{first['lr']:.3g}, {first['tokens']:,.0f} tokens: {first['losses']})")
+    return text + "."
 
 
 def series_rows(entry: dict[str, Any], tolerance: float) -> list[list[str]]:
@@ -177,11 +224,12 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
                                columns=series_rows(entry, plan.tolerance)[0]).to_markdown(
                       index=False, disable_numparse=True), "",
                   f"**{v.outcome}**" + (f" (outside: {', '.join(v.outside)})" if v.outside else "")
-                  + f"; shift of the optimum: {shifts}.", ""]
+                  + f"; shift of the optimum: {shifts}.", "", wider_text(entry["wider"]), ""]
         summary["series"].append({
             "label": entry["label"], "values": entry["values"], "base": entry["base"], "outcome": v.outcome,
             "base_log2_lr": v.base_log2_lr, "base_lr": None if v.base_log2_lr is None else 2 ** v.base_log2_lr,
             "outside": list(v.outside), "width_shift": v.width_shift, "depth_shift": v.depth_shift,
+            "wider_is_better": entry["wider"],
             "shapes": {name: {"values": entry["shapes"][name]["values"], "status": o.status, "log2_lr": o.log2_lr,
                               "interval": None if o.interval is None else list(o.interval), "seeds": o.seeds,
                               "no_minimum_share": o.no_minimum_share, "params": entry["shapes"][name]["params"],
