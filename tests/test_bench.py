@@ -9,6 +9,7 @@ import platform
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from satlab.bench.throughput import PairedRatio
@@ -116,6 +117,43 @@ def test_a_device_that_is_not_there_is_refused_with_what_is_valid(device, gpus, 
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert main(["bench", "--device", device, "--no-mlflow", "--out", str(tmp_path / "b.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_compare_pairs_each_architecture_with_itself_at_the_first_value(tmp_path, capsys):
+    """--compare parametrization=sp,completep: per architecture one model per value, each ratio against the same
+    architecture at the first value, and the models are built and optimised as the parametrisation says."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--archs", "transformer,satformer", "--batch", "2", "--seq-len", "16", "--warmup", "1",
+                 "--rounds", "2", "--ci-target", "0", "--no-overhead", "--no-mlflow", "--out", str(out),
+                 "--compare", "model.parametrization=sp,completep"]) == 0
+    results = {r["arch"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["transformer parametrization=sp", "transformer parametrization=completep",
+                             "satformer parametrization=sp", "satformer parametrization=completep"]
+    assert results["satformer parametrization=completep"]["ratio"]["reference"] == "satformer parametrization=sp"
+    assert results["transformer parametrization=completep"]["ratio"]["rounds"] == 2
+    assert results["transformer parametrization=sp"]["ratio"] is None
+    assert "vs its first value" in capsys.readouterr().out
+
+
+def test_the_bench_optimises_with_the_trainings_own_groups():
+    from satlab.bench.throughput import _Runner
+
+    def groups(parametrization: str) -> list[float]:
+        runner = _Runner("transformer", "tiny", 1, 8, torch.device("cpu"), torch.float32, False, 0,
+                         {"parametrization": parametrization, "d_model": 256, "n_heads": 8})
+        return sorted({g["lr"] for g in runner.optimizer.param_groups})
+
+    assert groups("sp") == [1e-4]
+    assert len(groups("completep")) > 1 and min(groups("completep")) == pytest.approx(1e-4 / 2)  # hidden: x 1/m_w
+
+
+@pytest.mark.parametrize(("compare", "message"), [
+    ("parametrisation=sp,mup", "did you mean"), ("parametrization=sp", "two or more distinct values"),
+    ("parametrization=sp,sp", "two or more distinct values")])
+def test_a_bad_compare_is_refused_with_what_is_valid(compare, message, tmp_path, capsys):
+    assert main(["bench", "--compare", compare, "--no-mlflow", "--out", str(tmp_path / "b.json")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
 

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from scipy import stats
 
+from satlab.config.schema import OptimConfig
 from satlab.models import build_model, count_params, flops_per_token
+from satlab.training.module import parameter_groups
 from satlab.training.parallel import compile_blocks
 from satlab.training.perf import device_peak_flops, keep_freed_memory
 
@@ -111,14 +113,15 @@ class _Runner:
     """One architecture's model, optimizer and fixed batch, stepped on demand."""
 
     def __init__(self, arch: str, size: str, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype,
-                 compile: bool, seed: int, overrides: dict):
+                 compile: bool, seed: int, overrides: dict, label: str | None = None):
         torch.manual_seed(seed)
-        self.arch = arch
+        self.arch = label or arch
         self.device = device
         self.dtype = dtype
         self.model = build_model(dict(arch=arch, size=size, **overrides)).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                           fused=device.type == "cuda" or None)
+        # the training's own AdamW groups (per-group lr, decay and eps: one group under sp, a few under mup/completep)
+        groups = parameter_groups(self.model, OptimConfig(lr=1e-4))
+        self.optimizer = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" or None)
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, self.model.cfg.vocab_size, (batch, seq_len + 1), generator=generator)
         self.x, self.y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -184,28 +187,40 @@ def bench_device(device: str) -> torch.device:
 def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len: int = 256, rounds: int = 10,
               warmup: int = 3, device: str = "auto", precision: str = "32-true", compile: bool = False,
               seed: int = 0, overrides: dict | None = None, ci_target: float | None = None,
-              max_rounds: int | None = None) -> list[BenchResult]:
+              max_rounds: int | None = None, compare: tuple[str, Sequence] | None = None) -> list[BenchResult]:
     """Interleaved training-step benchmark of ``archs`` at one size and batch. Each round steps the reference (the
     Transformer if present, else the first) and then each other architecture, in pairs; after ``rounds`` rounds it
-    goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``."""
+    goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``.
+
+    ``compare`` = (model field, values): each architecture is built once per value instead (labelled ``arch
+    field=value``), and each is paired with the same architecture at the first value: the runtime cost of a model
+    option, such as ``("parametrization", ["sp", "completep"])``."""
     keep_freed_memory()
     dev = bench_device(device)
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
-    runners = [_Runner(a, size, batch, seq_len, dev, dtype, compile, seed, overrides or {}) for a in archs]
+    field_name, values = compare or (None, [None])
+    runners = [_Runner(a, size, batch, seq_len, dev, dtype, compile, seed,
+                       {**(overrides or {}), **({field_name: v} if field_name else {})},
+                       f"{a} {field_name}={v}" if field_name else None) for a in archs for v in values]
     for runner in runners:  # warm-up (and compilation) of each model, timed apart
         start, graphs = time.perf_counter(), compiled_graphs()
         for _ in range(warmup):
             runner.step()
         if compile:
             runner.compile_seconds, runner.graphs = time.perf_counter() - start, compiled_graphs() - graphs
-    reference = next((r for r in runners if r.arch == "transformer"), runners[0])
-    others = [r for r in runners if r is not reference]
+    if field_name:  # each architecture against itself at the first value
+        reference_of = {r: runners[i - i % len(values)] for i, r in enumerate(runners)}
+    else:
+        first = next((r for r in runners if r.arch == "transformer"), runners[0])
+        reference_of = {r: first for r in runners}
+    others = [r for r in runners if reference_of[r] is not r]
     times: dict[str, list[float]] = {r.arch: [] for r in runners}
-    ratios = {r.arch: PairedRatio(reference.arch, []) for r in others}
+    ratios = {r.arch: PairedRatio(reference_of[r].arch, []) for r in others}
     done = 0
     while done < rounds or (ci_target is not None and done < (max_rounds or rounds)
                             and any(r.half_width > ci_target for r in ratios.values())):
-        for runner in others or [reference]:
+        for runner in others or runners[:1]:
+            reference = reference_of[runner]
             reference_time = reference.step()
             times[reference.arch].append(reference_time)
             if runner is not reference:

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+import yaml
 from rich.table import Table
 
 from satlab.cli.devices import device_problem
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32 (the CPU default) or bf16 autocast (GPUs)")
     parser.add_argument("--compile", action="store_true", help="per-block torch.compile; compile time reported apart")
     parser.add_argument("--no-overhead", action="store_true", help="skip the Lightning vs bare-loop measurement")
+    parser.add_argument("--compare", default=None, metavar="FIELD=V1,V2",
+                        help="build each architecture once per value of a model field and pair each with itself at "
+                             "the first value, e.g. parametrization=sp,completep: the runtime cost of an option")
     parser.add_argument("--out", default="reports/bench.json", help="JSON output (default: reports/bench.json)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
     parser.add_argument("--data", action="store_true",
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < least:  # --batch and --seq-len: None is the default
             problems.append(f"{name} must be >= {least}, got {value}")
     depths = parse_counts(args.depths, problems)
+    compare = parse_compare(args.compare, problems)
     if problem := device_problem(args.device, "--device"):
         problems.append(problem)
     procs = parse_counts(args.procs, problems, "--procs", "process counts") if args.data else []
@@ -82,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     host = describe_host(bench_device(args.device))
     bench_args = dict(size=args.size, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
                       device=args.device, precision=args.precision, compile=args.compile,
-                      ci_target=args.ci_target or None, max_rounds=max(args.max_rounds, args.rounds))
+                      ci_target=args.ci_target or None, max_rounds=max(args.max_rounds, args.rounds),
+                      compare=compare)
     sweep = depth_sweep(archs, depths or [SIZE_PRESETS[args.size]["n_layers"]], **bench_args)
     report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "host": remeasure(host)}
     out = Path(args.out)
@@ -225,14 +231,39 @@ def run_recall(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_compare(text: str | None, problems: list[str]) -> tuple[str, list] | None:
+    """``--compare parametrization=sp,completep`` as (field, values); a problem for anything else."""
+    if text is None:
+        return None
+    from dataclasses import fields
+
+    from satlab.config.schema import ModelConfig
+
+    name, _, raw = text.partition("=")
+    name = name.strip().removeprefix("model.")
+    values = [v.strip() for v in raw.split(",") if v.strip()]
+    valid = {f.name for f in fields(ModelConfig)}
+    if name not in valid:
+        problems.append(unknown_name("model field for --compare", name, valid))
+    elif len(values) < 2 or len(set(values)) < len(values):
+        problems.append(f"--compare needs a model field and two or more distinct values, as "
+                        f"parametrization=sp,completep; got {shown(text)}")
+    else:
+        return name, [yaml.safe_load(v) for v in values]  # numbers and booleans as such
+    return None
+
+
 def results_table(results, overhead: dict | None, args) -> Table:
     base = next((r for r in results if r.ratio is None), results[0])
+    by_name = {r.arch: r for r in results}
+    references = {r.ratio.reference for r in results if r.ratio is not None}
+    against = f"vs {base.arch}" if len(references) <= 1 else "vs its first value"
     rounds = max((len(r.ratio.ratios) for r in results if r.ratio is not None), default=len(base.step_times))
     compiled = ", compiled" if args.compile else ""
     table = Table(title=f"training throughput at size '{args.size}', batch {args.batch} x {args.seq_len}, "
                         f"{args.precision}{compiled} ({rounds} paired rounds)")
     compile_columns = ("compile s", "graphs") if args.compile else ()  # graphs: new ones (0: reused another's)
-    for column in ("arch", "params", "step ms", "spread", "tokens/s", f"vs {base.arch} [95 % CI]", "mem GB",
+    for column in ("arch", "params", "step ms", "spread", "tokens/s", f"{against} [95 % CI]", "mem GB",
                    "mem ratio", "TFLOP/s", "MFU", *compile_columns):
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
     for r in results:
@@ -240,11 +271,16 @@ def results_table(results, overhead: dict | None, args) -> Table:
         table.add_row(r.arch, f"{r.params / 1e6:.2f}M", f"{1e3 * r.median_step:.1f}", f"{100 * r.spread:.1f} %",
                       f"{r.tokens_per_sec:,.0f}", "1" if r.ratio is None else
                       f"{r.ratio.mean:.3f} [{r.ratio.low:.3f}, {r.ratio.high:.3f}]",
-                      f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / base.peak_mem_gb:.3f}", f"{r.tflops:.3f}",
+                      f"{r.peak_mem_gb:.3f}", f"{r.peak_mem_gb / by_name[reference_name(r)].peak_mem_gb:.3f}",
+                      f"{r.tflops:.3f}",
                       "—" if r.mfu is None else f"{100 * r.mfu:.1f} %", *compiled_cells)
     if overhead:
         table.caption = overhead_line(overhead)
     return table
+
+
+def reference_name(result) -> str:
+    return result.ratio.reference if result.ratio is not None else result.arch
 
 
 def overhead_line(overhead: dict) -> str:
