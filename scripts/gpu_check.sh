@@ -4,7 +4,7 @@
 #   make gpu-check                      on a CUDA machine: every architecture compiled in bf16 at the paper's sizes
 #   make gpu-check DEVICE=cpu           the same steps on this CPU at tiny shapes (about 2 minutes; the test suite
 #                                       runs it: tests/test_gpu_check.py)
-#   STEPS="setup bench" make gpu-check  only some steps (setup, bench, train, resume, one-rank, sharded)
+#   STEPS="setup bench" make gpu-check  only some steps (setup, bench, train, resume, one-rank, sharded, transfer)
 #   GPU_CHECK_BREAK=resume make ...     make those steps fail on purpose (an invalid override), to see the check fail
 #
 # Every step runs whatever happened before it, and prints PASS, FAIL or SKIP with its wall time and its log file;
@@ -12,7 +12,9 @@
 # Other settings (environment): OUT (default reports/gpu_check; its logs, runs and MLflow store are replaced, its
 # token cache kept), VENV (default .venv, else .venv-gpu built by BASE_PYTHON (python3) from the wheels in
 # WHEELHOUSE (.whl)), STEP_TIMEOUT (seconds per command), ARCHS (default: every registered architecture), DEEP_ARCHS
-# (the 24-layer runs), CPU_THREADS (1), CPU_COMPILE_BACKEND (aot_eager), PARALLEL (1: two lanes of steps on a CPU).
+# (the 24-layer runs), CPU_THREADS (1), CPU_COMPILE_BACKEND (aot_eager), PARALLEL (1: two lanes of steps on a CPU),
+# TRANSFER_PRESET (what `satlab transfer` wrote; default experiments/transferred/paper/small-satformer-completep.yaml,
+# SKIP when absent), TRANSFER_STEPS (steps of each of its three runs), TRANSFER_SLACK (nats, default 0.01).
 set -uo pipefail  # no -e: a failed step is reported and the next one runs
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,7 +23,7 @@ case $DEVICE in
   cuda | cpu) ;;
   *) echo "gpu_check: DEVICE must be cuda (the default) or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
-ALL_STEPS="setup bench train resume one-rank sharded"
+ALL_STEPS="setup bench train resume one-rank sharded transfer"
 STEPS=${STEPS:-$ALL_STEPS}
 for s in $STEPS; do
   [[ " $ALL_STEPS " == *" $s "* ]] || { echo "gpu_check: unknown step '$s' in STEPS; steps: $ALL_STEPS" >&2; exit 2; }
@@ -42,6 +44,7 @@ if [ "$DEVICE" = cuda ]; then
   # The paper's small model (11 layers, d=768) at its micro-batch; sequences of 2048 tokens, a few steps each.
   STEP_TIMEOUT=${STEP_TIMEOUT:-1500}
   SEQ=2048 MB=8 STEPS_PER_RUN=4 SIZE=small
+  TRANSFER_STEPS=${TRANSFER_STEPS:-200}  # 3 runs of 200 steps: ~3.3 M tokens each
   DEEP_ARCHS=${DEEP_ARCHS:-satformer} DEEP=model.size=xl  # xl: the paper's 24 layers (d=2048)
   BENCH=(--size small --batch 8 --seq-len 2048 --precision bf16-mixed --device cuda --rounds 3 --max-rounds 3 --warmup 2)
   TRAIN_DEVICE=(train.accelerator=gpu data.source=pystdlib)
@@ -53,6 +56,7 @@ else
   # every torch.compile call, so satlab's own code path (compile_blocks) is what runs.
   STEP_TIMEOUT=${STEP_TIMEOUT:-400}
   SEQ=64 MB=2 STEPS_PER_RUN=2 SIZE=tiny
+  TRANSFER_STEPS=${TRANSFER_STEPS:-6}
   DEEP_ARCHS=${DEEP_ARCHS:-satformer} DEEP=model.n_layers=24
   BENCH=(--size tiny --batch 2 --seq-len 64 --precision 32-true --device cpu --rounds 1 --max-rounds 1 --warmup 2
     --no-mlflow)
@@ -239,6 +243,19 @@ step_sharded() {
     "train.val_every_tokens=$((2 * NDEV * BATCH))" $(broken train.precision=broken-on-purpose)
 }
 
+# --- transfer: the preset `satlab transfer` wrote, at its learning rate and at 0.5x and 2x -------------------------
+step_transfer() {
+  local preset=${TRANSFER_PRESET:-experiments/transferred/paper/small-satformer-completep.yaml}
+  if [ ! -f "$preset" ]; then
+    echo "note: no transferred preset at $preset: run the LR-transfer study, then satlab transfer (docs/lr-transfer.md)"
+    return 77
+  fi
+  # a longer horizon than the other steps: the three runs are compared on their final loss
+  bounded "$PY" scripts/gpu_check_runs.py transfer "$preset" "$EXPECT_PRECISION" "${TRAIN[@]}" \
+    data.source_kind=auto train.devices=1 train.max_tokens=$((TRANSFER_STEPS * BATCH)) train.val_every_tokens=$((TRANSFER_STEPS * BATCH)) \
+    optim.warmup_fraction=0.1 $(broken train.precision=broken-on-purpose)
+}
+
 PY=${VENV:-$([ -x .venv/bin/python ] && echo .venv || echo .venv-gpu)}/bin/python  # setup sets it for good
 run_step setup "venv, imports, devices and what precision auto means here" step_setup
 NDEV=$(grep -a '^devices=' "$LOGS/setup.log" 2>/dev/null | cut -d= -f2)
@@ -253,6 +270,7 @@ lane_b() {
   run_step train "satlab train, every architecture + $DEEP_ARCHS at 24 layers, precision auto, compiled" step_train
   run_step resume "a finished run continued with twice the budget, evaluated at its end" step_resume
   run_step one-rank "DDP and FSDP2 (model_parallel) on one device" step_one_rank
+  run_step transfer "the transferred learning rate against 0.5x and 2x at the target size" step_transfer
 }
 if [ "$DEVICE" = cpu ] && [ "${PARALLEL:-1}" = 1 ]; then
   # On the CPU two lanes of steps run side by side, one thread per process: the bench then the sharded step, and

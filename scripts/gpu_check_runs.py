@@ -2,6 +2,7 @@
 
     python scripts/gpu_check_runs.py train PREFIX RUNS EXPECT_PRECISION key=value ...
     python scripts/gpu_check_runs.py resumed RUN_DIR MLFLOW_DB STEPS_BEFORE STEPS_AFTER
+    python scripts/gpu_check_runs.py transfer PRESET EXPECT_PRECISION key=value ...
 
 ``train`` runs `satlab train` (the console script's own entry point, ``satlab.cli.main.main``) once per item of
 the comma-separated RUNS (an architecture, or ``arch+key=value+...`` with overrides of its own), all in this one
@@ -16,6 +17,11 @@ this same command again; they run the same loop. Each finished run must have rec
 checkpoint rather than starting over: one MLflow run of that name, the same run id as before, FINISHED, validated at
 STEPS_AFTER, the offline evaluation suite's averages logged, and Lightning's log says it restored the checkpoint.
 Reads the sqlite store directly (no MLflow import).
+
+``transfer`` trains the preset written by ``satlab transfer`` (a target size at the learning rate an LR-transfer study
+found at its base shape) at that learning rate and at 0.5x and 2x, with the same overrides, and passes when the
+transferred rate's final validation loss is within :data:`TRANSFER_SLACK` of the best of the three (fixed before any
+GPU run): the transferred rate is at least as good as its neighbours an octave away, at this horizon.
 """
 
 from __future__ import annotations
@@ -152,10 +158,57 @@ def resumed(run_dir: Path, db: Path, steps_before: int, steps_after: int) -> int
     return 1 if problems else 0
 
 
+TRANSFER_FACTORS = (0.5, 1.0, 2.0)
+TRANSFER_SLACK = float(os.environ.get("TRANSFER_SLACK", "0.01"))
+"""Nats: how far above the best of the three the transferred rate's final validation loss may be (seed noise of a
+short run). The CPU test of the script's wiring sets it high: a few steps at tiny shapes say nothing of transfer."""
+
+
+def final_val_loss(db: Path, name: str) -> float | None:
+    """The last val/loss of the newest MLflow run named ``name`` in the sqlite store ``db``."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as store:
+        row = store.execute("select m.value from metrics m join runs r on r.run_uuid = m.run_uuid where r.name = ? "
+                            "and m.key = 'val/loss' order by r.start_time desc, m.step desc, m.timestamp desc "
+                            "limit 1", (name,)).fetchone()
+    return None if row is None else float(row[0])
+
+
+def transfer_verdict(losses: dict[float, float | None]) -> tuple[bool, str]:
+    """(passed, note) from the final validation loss at each factor of the transferred learning rate."""
+    missing = [f for f, loss in losses.items() if loss is None]
+    if missing:
+        return False, f"no val/loss at {', '.join(f'{f:g}x' for f in missing)}"
+    best = min(losses, key=lambda f: losses[f])
+    shown = ", ".join(f"{f:g}x {loss:.4f}" for f, loss in losses.items())
+    passed = losses[1.0] <= losses[best] + TRANSFER_SLACK
+    return passed, (f"transferred LR {'holds' if passed else 'does NOT hold'}: final val/loss {shown} (best "
+                    f"{best:g}x, slack {TRANSFER_SLACK} nats)")
+
+
+def transfer(preset: Path, expect_precision: str, overrides: list[str]) -> int:
+    import yaml
+
+    from satlab.config.loader import load_experiment
+
+    arch = load_experiment(str(preset)).model.arch
+    lr = float(yaml.safe_load(preset.read_text())["optim"]["lr"])
+    runs = [f"{arch}+optim.lr={lr * f:.6g}" for f in TRANSFER_FACTORS]  # named transfer-<arch>-<lr>
+    code = train("transfer", runs, expect_precision, [f"experiment={preset}", *overrides])
+    if not rank_zero():
+        return code
+    db = Path(override(overrides, "tracking.uri", "sqlite:///mlflow.db").removeprefix("sqlite:///"))
+    losses = {f: final_val_loss(db, f"transfer-{arch}-{lr * f:.6g}") for f in TRANSFER_FACTORS}
+    passed, note = transfer_verdict(losses)
+    say(f"note: {note}")
+    return 1 if code or not passed else 0
+
+
 def main(argv: list[str]) -> int:
     usage = __doc__.split("\n\n")[1]
     if len(argv) >= 4 and argv[0] == "train":
         return train(argv[1], [a for a in argv[2].split(",") if a], argv[3], argv[4:])
+    if len(argv) >= 3 and argv[0] == "transfer":
+        return transfer(Path(argv[1]), argv[2], argv[3:])
     if len(argv) == 5 and argv[0] == "resumed":
         return resumed(Path(argv[1]), Path(argv[2]), int(argv[3]), int(argv[4]))
     print(f"usage:\n{usage}", file=sys.stderr)

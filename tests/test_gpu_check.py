@@ -18,8 +18,9 @@ from satlab.config.schema import ExperimentConfig
 from satlab.training.machine import auto_precision, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["setup", "bench", "train", "resume", "one-rank", "sharded"]
-"""Every step of the check, in its order; on the CPU none is skipped (the sharded one runs on 2 gloo ranks)."""
+STEPS = ["setup", "bench", "train", "resume", "one-rank", "sharded", "transfer"]
+"""Every step of the check, in its order; on the CPU none is skipped (the sharded one runs on 2 gloo ranks; the
+transfer step gets a preset the test writes)."""
 
 
 FAST_ARCHS = "satformer"
@@ -29,27 +30,51 @@ fast path). Every architecture compiled at the paper's depth is tests/test_compi
 ranks, tests/test_sharding.py."""
 
 
+def transferred_preset(folder: Path) -> Path:
+    """A preset as `satlab transfer` writes one: the paper's small SATFormer at a transferred learning rate."""
+    path = folder / "small-satformer-completep.yaml"
+    path.write_text("base: paper/small/satformer\nmodel: {parametrization: completep, base_width: 64, base_depth: 2}\n"
+                    "optim: {lr: 0.004}\n")
+    return path
+
+
 @pytest.mark.process
 @pytest.mark.parametrize(("archs", "steps"), [
-    (FAST_ARCHS, ["setup"]),  # the fast suite: the script's wiring, its summary and its first step (~10 s)
+    (FAST_ARCHS, ["setup", "transfer"]),  # the fast suite: the wiring, the summary, the first step (~10 s), a SKIP
     pytest.param(FAST_ARCHS, STEPS, marks=pytest.mark.slow),  # make test-full: every step (~2 min)
     pytest.param("satformer,hyperconnections", STEPS, marks=pytest.mark.slow)])
 def test_the_gpu_check_passes_every_step_on_the_cpu(tmp_path: Path, archs: str, steps: list[str]) -> None:
     out = tmp_path / "gpu_check"
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "GPU_CHECK_BREAK", "DEEP_ARCHS")}
+    full = steps == STEPS  # the fast run has no transferred preset: its transfer step must say so and skip
     env.update(DEVICE="cpu", OUT=str(out), VENV=str(Path(sys.executable).parent.parent), ARCHS=archs,
-               STEPS=" ".join(steps))
+               STEPS=" ".join(steps), TRANSFER_SLACK="100", TRANSFER_STEPS="2",
+               TRANSFER_PRESET=str(transferred_preset(tmp_path) if full else tmp_path / "none.yaml"))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=1200)
     printed = proc.stdout[-6000:] + proc.stderr[-2000:]
     summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
     rows = dict(re.findall(r"^\| (\S+) \| (PASS|FAIL|SKIP) \|", summary, re.MULTILINE))
     assert list(rows) == steps, f"the summary must list every step once, in order:\n{summary}\n{printed}"
-    failed = [step for step, result in rows.items() if result != "PASS"]
+    failed = [step for step, result in rows.items() if result != ("PASS" if full or step != "transfer" else "SKIP")]
     assert not failed, f"steps that did not pass: {failed} (logs in {out / 'logs'})\n{printed}"
+    transfer = (out / "logs" / "transfer.log").read_text()
+    assert ("3/3 runs passed" in transfer and "transferred LR holds" in transfer) if full else \
+        "no transferred preset" in transfer
     assert proc.returncode == 0, printed
     for step in steps:
         assert (out / "logs" / f"{step}.log").is_file()
+
+
+def test_the_transfer_verdict_holds_when_the_transferred_rate_is_within_the_slack_of_the_best():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_check_runs import TRANSFER_SLACK, transfer_verdict
+
+    assert transfer_verdict({0.5: 3.2, 1.0: 3.1, 2.0: 3.3})[0]
+    assert transfer_verdict({0.5: 3.2, 1.0: 3.1 + TRANSFER_SLACK, 2.0: 3.1})[0]  # within the slack of 2x
+    passed, note = transfer_verdict({0.5: 3.2, 1.0: 3.15, 2.0: 3.1})
+    assert not passed and "does NOT hold" in note and "best 2x" in note
+    assert transfer_verdict({0.5: 3.2, 1.0: None, 2.0: 3.1}) == (False, "no val/loss at 1x")
 
 
 def test_precision_auto_is_the_default_and_a_valid_choice() -> None:
