@@ -72,8 +72,9 @@ def _direction(g: np.ndarray, S: np.ndarray, Y: np.ndarray, rho: np.ndarray, new
 
 def batched_lbfgs(theta0: np.ndarray, X: np.ndarray, y: np.ndarray, w: np.ndarray, delta: float,
                   max_iter: int = 400, ftol: float = 1e-9, gtol: float = 1e-10) -> tuple[np.ndarray, np.ndarray]:
-    """Minimise every row from its start (y and w as in :func:`huber_lse`); returns (ends, objective values). A row stops when its relative decrease
-    falls below ftol, its gradient's largest entry below gtol, or its line search finds no decrease."""
+    """Minimise every row from its start (y and w as in :func:`huber_lse`); returns (ends, objective values). A row
+    stops when its relative decrease falls below ftol, its gradient's largest entry below gtol, or its line search
+    finds no decrease."""
     theta = np.array(theta0, dtype=float)
     rows, dim = theta.shape
     shared_w, shared_y = w.shape[0] == 1, y.ndim == 1

@@ -25,9 +25,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from satlab.studies.scaling_fit import (CLAIM_LEVEL, Interval, RunPoints, ScalingLaw, StartGrid, bootstrap_many,
-                                        claim, compute_for_size, fit_many, law_from_theta, multiplier_interval,
-                                        run_arrays)
+from satlab.studies.scaling_fit import (
+    CLAIM_LEVEL,
+    Interval,
+    RunPoints,
+    ScalingLaw,
+    StartGrid,
+    bootstrap_many,
+    claim,
+    compute_for_size,
+    fit_many,
+    law_from_theta,
+    multiplier_interval,
+    run_arrays,
+)
 
 # Besiroglu et al. 2024's estimates of the Chinchilla law (the golden test's reference): the default true law.
 EPOCH_LAW = ScalingLaw(E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
@@ -97,38 +108,58 @@ class SimulationResult:
         return float(np.sqrt(rate * (1.0 - rate) / self.replicates))
 
 
-def simulate_ladder(multiplier: float, ladder: Ladder | None = None, reference: ScalingLaw = EPOCH_LAW,
-                    replicates: int = 20, resamples: int = 100, run_sd: float = 0.01, point_sd: float = 0.0,
-                    size: float = 1e10, level: float = CLAIM_LEVEL, seed: int = 0, grid: StartGrid = SIM_GRID,
-                    delta: float = 1e-3, extra_starts: int = 1, polish: int = 1,
-                    interval: Intervals = multiplier_interval) -> SimulationResult:
-    """Simulate `replicates` ladders of the reference and of an architecture with a true `multiplier`, fit both,
-    bootstrap both by run (`resamples` each), and read the multiplier interval (`interval`, at `level`) at the
-    compute where the true reference's optimal size is `size`; the claim rule turns each interval into a verdict."""
+@dataclass
+class SimulatedFits:
+    """The full and bootstrap fits of every replicate, for each side: (replicates, 5) and (replicates, resamples, 5)."""
+
+    multiplier: float
+    C: float
+    fits: dict[str, np.ndarray]
+    boots: dict[str, np.ndarray]
+
+
+def simulate_fits(multiplier: float, ladder: Ladder | None = None, reference: ScalingLaw = EPOCH_LAW,
+                  replicates: int = 20, resamples: int = 100, run_sd: float = 0.01, point_sd: float = 0.0,
+                  size: float = 1e10, seed: int = 0, grid: StartGrid = SIM_GRID, delta: float = 1e-3,
+                  extra_starts: int = 1, polish: int = 1) -> SimulatedFits:
+    """Simulate `replicates` ladders of the reference and of an architecture with a true `multiplier`, fit both and
+    bootstrap both by run (`resamples` each); C is where the true reference's optimal size is `size`."""
     if replicates < 1 or resamples < 2:
         raise ValueError(f"a simulation needs replicates >= 1 and resamples >= 2 (got {replicates}, {resamples}).")
     ladder = ladder or Ladder()
     rng = np.random.default_rng(seed)
     laws = {"reference": reference, "arch": law_with_multiplier(reference, multiplier)}
-    sets = {name: [simulate_runs(law, ladder, rng, run_sd, point_sd) for _ in range(replicates)]
-            for name, law in laws.items()}
-    C = compute_for_size(reference, size)
     fits, boots = {}, {}
-    for j, (name, ladders) in enumerate(sets.items()):
+    for j, (name, law) in enumerate(laws.items()):
+        ladders = [simulate_runs(law, ladder, rng, run_sd, point_sd) for _ in range(replicates)]
         X, _, owner = run_arrays(ladders[0])
         Y = np.stack([run_arrays(runs)[1] for runs in ladders])
         fits[name] = fit_many(X, Y, delta, grid, polish)
         seeds = [seed * 1_000_003 + 2 * i + j + 1 for i in range(replicates)]
         boots[name] = bootstrap_many(X, Y, owner, fits[name], resamples, seeds, delta, grid, extra_starts)
+    return SimulatedFits(multiplier, compute_for_size(reference, size), fits, boots)
+
+
+def score(sim: SimulatedFits, level: float = CLAIM_LEVEL,
+          interval: Intervals = multiplier_interval) -> SimulationResult:
+    """Each replicate's multiplier interval (`interval` at `level`) and the claim rule's verdict on it."""
     intervals = []
-    for i in range(replicates):
-        intervals.append(interval([law_from_theta(t) for t in boots["arch"][i]],
-                                  [law_from_theta(t) for t in boots["reference"][i]], C, level,
-                                  law=law_from_theta(fits["arch"][i]), reference=law_from_theta(fits["reference"][i])))
+    for i in range(len(sim.fits["arch"])):
+        intervals.append(interval([law_from_theta(t) for t in sim.boots["arch"][i]],
+                                  [law_from_theta(t) for t in sim.boots["reference"][i]], sim.C, level,
+                                  law=law_from_theta(sim.fits["arch"][i]),
+                                  reference=law_from_theta(sim.fits["reference"][i])))
     claims = [claim(iv) for iv in intervals]
-    covered = [iv.lower <= multiplier <= iv.upper for iv in intervals]
-    return SimulationResult(multiplier, C, replicates, float(np.mean(covered)), claims.count("gain") / replicates,
-                            claims.count("loss") / replicates, intervals)
+    n = len(intervals)
+    covered = [iv.lower <= sim.multiplier <= iv.upper for iv in intervals]
+    return SimulationResult(sim.multiplier, sim.C, n, float(np.mean(covered)), claims.count("gain") / n,
+                            claims.count("loss") / n, intervals)
+
+
+def simulate_ladder(multiplier: float, level: float = CLAIM_LEVEL, interval: Intervals = multiplier_interval,
+                    **knobs: object) -> SimulationResult:
+    """:func:`simulate_fits` (its knobs) scored by :func:`score`."""
+    return score(simulate_fits(multiplier, **knobs), level, interval)  # type: ignore[arg-type]
 
 
 def simulation_table(multipliers: Sequence[float] = (1.0, 1.5, 2.0), **knobs: object) -> list[SimulationResult]:
