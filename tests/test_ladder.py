@@ -108,7 +108,7 @@ def test_the_ladder_expands_into_exactly_its_cells(tmp_path: Path) -> None:
 
 def test_one_learning_rate_is_taken_under_a_transfer_rule(tmp_path: Path) -> None:
     data = ladder_spec(tmp_path, lr=3e-3)
-    data["overrides"] |= {"model.parametrization": "completep", "model.base_width": 96}  # heads of 16, 12, 16 (32: base)
+    data["overrides"] |= {"model.parametrization": "completep", "model.base_width": 96}  # head dims 16, 12, 16, 32
     spec = load_ablation(write(tmp_path, data))
     assert spec.axes["optim.lr"] == [3e-3]
 

@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     spec = load_ablation(args.spec, args.overrides)
     if not spec.ladder.enabled:
-        raise ConfigError(f"'{spec.name}' is an ablation without a ladder: block (no rungs); run it with satlab ablate, "
-                          "or give it ladder: {rungs: [...], budgets: [...], seeds: [...], lr: ...} (docs/ladder.md)")
+        raise ConfigError(f"'{spec.name}' is an ablation without a ladder: block (no rungs); run it with satlab "
+                          "ablate, or give it ladder: {rungs: [...], budgets: [...], seeds: [...], lr: ...} "
+                          "(docs/ladder.md)")
     if args.dry_run:
         print_ladder(spec)
         print_grid(spec, args.storage)
@@ -54,7 +55,8 @@ def print_ladder(spec: AblationSpec) -> None:
 
     ladder, rungs = spec.ladder, L.plan(spec)
     cpu = spec.base_config().train.accelerator == "cpu"
-    table = Table(title=f"ladder '{spec.name}': {len(rungs)} rungs, budgets {', '.join(f'{b:g}' for b in ladder.budgets)}"
+    budgets = ", ".join(f"{b:g}" for b in ladder.budgets)
+    table = Table(title=f"ladder '{spec.name}': {len(rungs)} rungs, budgets {budgets}"
                         f" tokens per {ladder.per.replace('_', '-')} parameter of {ladder.reference}")
     keys = "/".join(k.removeprefix("model.") for k in ladder.rung_keys())
     for column in ("rung", keys, "arch", "params", "non-embedding", "FLOPs/token", "budgets (tokens)", "steps",
