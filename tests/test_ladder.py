@@ -118,7 +118,7 @@ BAD = {
     "two rungs": ({"rungs": RUNGS[:2], "seeds": [1, 1], "lr": [1e-3, 1e-3]}, "at least 3 rungs"),
     "little compute": ({"rungs": [RUNGS[1], {**RUNGS[1], "n_layers": 3}, {**RUNGS[1], "n_layers": 4}],
                         "budgets": [1.0]}, "fewer than the 1.5"),
-    "short budget": ({"budgets": [0.01, 1.0]}, "at least one validation interval"),
+    "short budget": ({"budgets": [0.01, 1.0], "warmup": 0.0}, "at least one validation interval"),
     "warmup too long": ({"warmup": 0.5}, "warmup + 1"),
     "reference": ({"reference": "resformer"}, "is not a value of the model.arch axis"),
     "unknown rung key": ({"rungs": [{**r, "mlp_hiden": 32} for r in RUNGS]}, "did you mean"),
@@ -135,8 +135,8 @@ BAD = {
 def test_a_bad_ladder_exits_2_with_its_message_and_writes_nothing(tmp_path: Path, case: str, capsys) -> None:
     ladder, message = BAD[case]
     spec = ladder_spec(tmp_path, **ladder)
-    if case == "warmup too long":
-        spec["overrides"]["train.val_every_tokens"] = 256
+    if case == "short budget":  # one step of 256 tokens, no warmup: only the validation interval is missed
+        spec["overrides"]["train.val_every_tokens"] = 512
     path = write(tmp_path, spec)
     before = sorted(tmp_path.rglob("*"))
     assert satlab_main(["ladder", str(path), "--dry-run"]) == 2
@@ -198,7 +198,8 @@ def test_a_ladder_study_queues_every_cell_and_counts_finished_ones_done(tmp_path
 def test_a_killed_ladder_resumes_only_its_unfinished_cells(tmp_path: Path) -> None:
     """SIGKILL `satlab ladder` while a cell trains after the first finished; the same ladder then runs only the
     cells not finished."""
-    data = ladder_spec(tmp_path, name="killed", budgets=[1.0], seeds=[1, 1, 1])
+    top = {"d_model": 48, "n_layers": 2, "n_heads": 3, "mlp_hidden": 96}  # 8.7x rung 0: 1.9 decades at one budget
+    data = ladder_spec(tmp_path, name="killed", rungs=[*RUNGS[:2], top], budgets=[0.5], seeds=[1, 1, 1])
     path = write(tmp_path, data)
     spec = load_ablation(path)
     driver = subprocess.Popen([sys.executable, "-m", "satlab.cli.main", "ladder", str(path), "--no-report"],
