@@ -57,10 +57,15 @@ def run(args: argparse.Namespace) -> int:
         if spec.sequential.enabled:
             print_sequential(spec, args.storage)
         return 0
+    return run_grid(spec, args.workers, args.storage, not args.no_report)
+
+
+def run_grid(spec: AblationSpec, workers: int, storage: str | None, report: bool) -> int:
+    """Run (or resume) the grid's cells through the study engine, then say what happened; the exit code."""
     from satlab.studies.engine import run_study
 
     console = make_console()
-    result = run_study(spec, workers=args.workers, storage=args.storage, console=console, report=not args.no_report)
+    result = run_study(spec, workers=workers, storage=storage, console=console, report=report)
     console.print(f"ablation [cyan]{spec.name}[/]: {len(result.skipped)} cells finished before, "
                   f"{len(result.finished)} now, {len(result.failed)} failed"
                   + (", interrupted (the same command resumes)" if result.interrupted else ""), soft_wrap=True)

@@ -18,6 +18,7 @@ COMMANDS = {
     "ablate": ("ablate", "run or resume an ablation grid of experiments/ablations/*.yml (make ablate, make reproduce)"),
     "coord": ("coord", "coordinate check: how each module's output scales with width and depth (sp, mup, completep)"),
     "report": ("report", "write an ablation's report (markdown, HTML, MLflow artifacts) from its runs"),
+    "ladder": ("ladder", "run or resume a scaling ladder (sizes x token budgets x architectures), or --dry-run it"),
     "transfer": ("transfer", "write a preset at the learning rate an LR-transfer study found at its base shape"),
 }
 

@@ -93,14 +93,13 @@ def plan(cfg) -> dict[str, object]:
     ``flops_per_token`` (the run's MLflow ``model.*`` params), ``vocab_size`` (None: not known before a hub
     tokenizer is fetched), ``vocab_origin``, ``model_vocab_size`` (what the sizes use) and ``schedule``."""
     from satlab.data.vocabulary import model_vocabulary
-    from satlab.models import build_model, count_params, flops_per_token, non_embedding_params
+    from satlab.studies.ladder import model_sizes
 
     vocabulary = model_vocabulary(cfg)
-    cfg = vocabulary.sized(cfg)
-    model = build_model(cfg.model, device="meta")
-    return {"params": count_params(model), "non_embedding_params": non_embedding_params(model),
-            "flops_per_token": flops_per_token(model, cfg.data.seq_len, vocabulary.head_fraction),
-            "vocab_size": vocabulary.size, "vocab_origin": vocabulary.origin, "model_vocab_size": cfg.model.vocab_size,
+    size, cfg = model_sizes(cfg)
+    return {"params": size.params, "non_embedding_params": size.non_embedding_params,
+            "flops_per_token": size.flops_per_token, "vocab_size": vocabulary.size, "vocab_origin": vocabulary.origin,
+            "model_vocab_size": cfg.model.vocab_size,
             "schedule": derive_schedule(cfg, world_size=cfg.train.devices * cfg.train.num_nodes)}
 
 

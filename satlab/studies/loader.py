@@ -114,10 +114,28 @@ def spec_from_dict(kind: type[S], data: Mapping[str, Any], source: str | None = 
         grids = [flatten_mapping(g) if isinstance(g, Mapping) else g for g in spec.grids]
         transfer = dataclasses.replace(spec.lr_transfer, base=flatten_mapping(spec.lr_transfer.base))
         spec = dataclasses.replace(spec, grids=grids, lr_transfer=transfer)
+        if spec.ladder.enabled:
+            spec = with_ladder(spec, source)
     problems.extend(f"{source}: {p}" for p in spec.problems())
     if problems:
         raise ConfigError(problems)
     return spec
+
+
+def with_ladder(spec: AblationSpec, source: str) -> AblationSpec:
+    """``spec`` with its ladder's rungs as dotted config keys (``d_model`` is ``model.d_model``), checked, then
+    expanded into axes and sub-grids (:func:`satlab.studies.ladder.expand`)."""
+    from satlab.studies.ladder import expand, ladder_problems
+
+    rungs = [{k if "." in k else f"model.{k}": v for k, v in flatten_mapping(r).items()}
+             if isinstance(r, Mapping) else r for r in spec.ladder.rungs]
+    spec = dataclasses.replace(spec, ladder=dataclasses.replace(spec.ladder, rungs=rungs))
+    if problems := spec.problems() + ladder_problems(spec):
+        raise ConfigError(list(dict.fromkeys(f"{source}: {p}" for p in problems)))
+    try:
+        return expand(spec)
+    except ConfigError as e:
+        raise ConfigError([f"{source}: {p}" for p in e.problems]) from None
 
 
 def check_against_config(spec: StudySpec) -> None:
@@ -130,6 +148,8 @@ def check_against_config(spec: StudySpec) -> None:
                            for p in e.problems]) from None
     known = flatten(cfg)
     points = {k: p.extremes() for k, p in spec.space.items()} if isinstance(spec, SweepSpec) else spec.axes
+    if isinstance(spec, AblationSpec) and spec.ladder.enabled:  # a rung's values go together: the ladder's plan
+        points = {k: v for k, v in points.items() if k not in spec.ladder.rung_keys()}  # loaded each rung whole
     problems = []
     for key, values in points.items():
         if isinstance(spec, SweepSpec) and key not in known:

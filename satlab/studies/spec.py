@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import quoted, shown, unknown_name
+from satlab.config.ladder import LadderPlan
 from satlab.config.loader import load_experiment, name_characters
 from satlab.config.lr_transfer import LRTransferPlan
 from satlab.config.resolve import folder, resolve
@@ -322,6 +323,9 @@ class AblationSpec(StudySpec):
     grids: list[dict[str, Any]] = field(default_factory=list)
     # The report's learning-rate transfer section (satlab.config.lr_transfer); off without lr_key.
     lr_transfer: LRTransferPlan = field(default_factory=LRTransferPlan)
+    # A scaling ladder (satlab.config.ladder, docs/ladder.md); off without rungs. The loader expands it into the
+    # axes and one sub-grid per rung (satlab.studies.ladder), so the rest of the engine sees an ordinary grid.
+    ladder: LadderPlan = field(default_factory=LadderPlan)
 
     def default_out(self) -> Path:
         return self.out_of(self.name)

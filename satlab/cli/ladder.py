@@ -1,0 +1,108 @@
+"""`satlab ladder <spec> [--dry-run] [key=value ...]`: run (or resume) a scaling ladder, an ablation with a
+``ladder:`` block (docs/ladder.md), through the same path as `satlab ablate`; ``--dry-run`` prints each rung's
+sizes, FLOPs per token, budgets, runs and cost, then the grid with what the study records of each cell."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from rich.table import Table
+
+from satlab.config.errors import ConfigError
+from satlab.console import console as make_console
+from satlab.studies.loader import load_ablation
+from satlab.studies.spec import AblationSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC",
+                        help="a ladder under experiments/ablations/ (ladder_cpu, ladder_gpu) or a YAML path")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="spec fields (ladder.seeds=[2,2,1,1,1], out_dir=...) or config overrides for every "
+                             "cell (train.val_tokens=4096)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="cells run in parallel on this host (default 1), as for satlab ablate")
+    parser.add_argument("--storage", metavar="URL",
+                        help="Optuna storage of the ladder's cells (default sqlite:///<out_dir>/optuna.db); a shared "
+                             "postgresql:// URL lets several hosts (or a SLURM array) take cells from one queue")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each rung's parameters, FLOPs per token, budgets, runs and cost, and the grid; "
+                             "run nothing")
+    parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    from satlab.cli.ablate import print_grid, run_grid
+
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    spec = load_ablation(args.spec, args.overrides)
+    if not spec.ladder.enabled:
+        raise ConfigError(f"'{spec.name}' is an ablation without a ladder: block (no rungs); run it with satlab "
+                          "ablate, or give it ladder: {rungs: [...], budgets: [...], seeds: [...], lr: ...} "
+                          "(docs/ladder.md)")
+    if args.dry_run:
+        print_ladder(spec)
+        print_grid(spec, args.storage)
+        return 0
+    return run_grid(spec, args.workers, args.storage, not args.no_report)
+
+
+def print_ladder(spec: AblationSpec) -> None:
+    """Per rung and architecture: sizes, FLOPs per token, budgets, runs; per rung the cost, then the totals."""
+    from satlab.studies import ladder as L
+
+    ladder, rungs = spec.ladder, L.plan(spec)
+    cpu = spec.base_config().train.accelerator == "cpu"
+    budgets = ", ".join(f"{b:g}" for b in ladder.budgets)
+    table = Table(title=f"ladder '{spec.name}': {len(rungs)} rungs, budgets {budgets}"
+                        f" tokens per {ladder.per.replace('_', '-')} parameter of {ladder.reference}")
+    keys = "/".join(k.removeprefix("model.") for k in ladder.rung_keys())
+    for column in ("rung", keys, "arch", "params", "non-embedding", "FLOPs/token", "budgets (tokens)", "steps",
+                   "lr", "runs", "CPU time" if cpu else "GPU-hours"):
+        table.add_column(column, justify="left" if column in (keys, "arch", "budgets (tokens)") else "right")
+    for rung in rungs:
+        shape = "/".join(str(v) for v in rung.values.values())
+        cost = _duration(rung.cpu_seconds()) if cpu else f"{rung.gpu_hours():,.0f}"
+        for j, (arch, size) in enumerate(rung.sizes.items()):
+            first = j == 0
+            table.add_row(str(rung.index) if first else "", shape if first else "", arch, _count(size.params),
+                          _count(size.non_embedding_params), _si(size.flops_per_token),
+                          ", ".join(_si(t) for t in rung.tokens) if first else "",
+                          ", ".join(f"{s:,}" for s in rung.steps) if first else "",
+                          f"{rung.lr:.3g}" if first else "",
+                          f"{len(rung.tokens)}x{rung.seeds}", cost if first else "")
+    console = make_console()
+    console.print(table)
+    runs = sum(r.runs for r in rungs)
+    spans = {a: math.log10(max(c for r in rungs for c in r.compute(a)) / min(c for r in rungs for c in r.compute(a)))
+             for a in rungs[0].sizes}
+    console.print(f"{runs} runs (per architecture: budgets x seeds at each rung); training compute "
+                  f"spans {min(spans.values()):.2f} to {max(spans.values()):.2f} decades per architecture; warmup "
+                  f"{ladder.warmup:g} x N tokens; each budget its own run with its own cosine schedule", soft_wrap=True)
+    if cpu:
+        seconds = sum(r.cpu_seconds() for r in rungs)
+        console.print(f"CPU time: {_duration(seconds)} of one thread in all ({L.CPU_SECONDS_PER_GFLOP} s per GFLOP + "
+                      f"{L.CPU_SECONDS_PER_TOKEN:g} s per token + {L.CPU_SECONDS_PER_RUN:g} s per run, measured by "
+                      "a pilot: satlab/studies/ladder.py), "
+                      f"{_duration(seconds / 2)} with --workers 2 of one thread each", soft_wrap=True)
+    else:
+        console.print(f"GPU-hours: {sum(r.gpu_hours() for r in rungs):,.0f} in all, at an ASSUMED {L.GPU_MFU:.0%} MFU "
+                      f"of {L.GPU_PEAK_LABEL} (no ladder has been timed on a GPU; `satlab bench` measures the MFU "
+                      "of a size)", soft_wrap=True)
+
+
+def _si(value: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 10**8 else f"{n / 1e6:,.1f} M"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
