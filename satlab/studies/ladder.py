@@ -33,8 +33,9 @@ CPU_SECONDS_PER_RUN = 15.5
 GPU_PEAK_FLOPS = 989e12
 GPU_PEAK_LABEL = "H100/H200 SXM dense bf16, 989 TFLOP/s"
 GPU_MFU = 0.40
-"""No ladder has been timed on a GPU: the GPU cost is at this assumed model-FLOPs utilisation of the peak above
-(satlab's bench measured about 40 % at the paper's small size, docs/results/2026-12-02-bench-small.md)."""
+"""No ladder, and no satlab run at all, has been timed on a GPU: the GPU cost is at this ASSUMED model-FLOPs
+utilisation of the peak above, a common figure for dense bf16 training of models of this size; replace it with the
+GPU check's bench (docs/gpu-check.md) once a GPU has run it."""
 
 
 @dataclass(frozen=True)
