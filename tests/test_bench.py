@@ -121,20 +121,22 @@ def test_a_device_that_is_not_there_is_refused_with_what_is_valid(device, gpus, 
     assert not (tmp_path / "b.json").exists()
 
 
-def test_compare_pairs_each_architecture_with_itself_at_the_first_value(tmp_path, capsys):
+def test_compare_pairs_each_architecture_with_itself_at_the_first_value(tmp_path, capsys, monkeypatch):
     """--compare parametrization=sp,completep: per architecture one model per value, each ratio against the same
     architecture at the first value, and the models are built and optimised as the parametrisation says."""
     out = tmp_path / "bench.json"
+    monkeypatch.chdir(tmp_path)  # its MLflow run goes to ./mlruns (the labels must be valid metric names)
     assert main(["bench", "--archs", "transformer,satformer", "--batch", "2", "--seq-len", "16", "--warmup", "1",
-                 "--rounds", "2", "--ci-target", "0", "--no-overhead", "--no-mlflow", "--out", str(out),
+                 "--rounds", "2", "--ci-target", "0", "--no-overhead", "--out", str(out),
                  "--compare", "model.parametrization=sp,completep"]) == 0
     results = {r["arch"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(results) == ["transformer parametrization=sp", "transformer parametrization=completep",
-                             "satformer parametrization=sp", "satformer parametrization=completep"]
-    assert results["satformer parametrization=completep"]["ratio"]["reference"] == "satformer parametrization=sp"
-    assert results["transformer parametrization=completep"]["ratio"]["rounds"] == 2
-    assert results["transformer parametrization=sp"]["ratio"] is None
-    assert "vs its first value" in capsys.readouterr().out
+    assert list(results) == ["transformer parametrization:sp", "transformer parametrization:completep",
+                             "satformer parametrization:sp", "satformer parametrization:completep"]
+    assert results["satformer parametrization:completep"]["ratio"]["reference"] == "satformer parametrization:sp"
+    assert results["transformer parametrization:completep"]["ratio"]["rounds"] == 2
+    assert results["transformer parametrization:sp"]["ratio"] is None
+    printed = capsys.readouterr().out
+    assert "vs its first value" in printed and "in experiment 'bench'" in printed
 
 
 def test_the_bench_optimises_with_the_trainings_own_groups():

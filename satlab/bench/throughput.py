@@ -193,15 +193,15 @@ def run_bench(archs: Sequence[str], size: str = "tiny", batch: int = 8, seq_len:
     goes on while some ratio's 95 % interval is wider than ± ``ci_target``, up to ``max_rounds``.
 
     ``compare`` = (model field, values): each architecture is built once per value instead (labelled ``arch
-    field=value``), and each is paired with the same architecture at the first value: the runtime cost of a model
-    option, such as ``("parametrization", ["sp", "completep"])``."""
+    field:value``, a name MLflow takes in its metric names), and each is paired with the same architecture at the
+    first value: the runtime cost of a model option, such as ``("parametrization", ["sp", "completep"])``."""
     keep_freed_memory()
     dev = bench_device(device)
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     field_name, values = compare or (None, [None])
     runners = [_Runner(a, size, batch, seq_len, dev, dtype, compile, seed,
                        {**(overrides or {}), **({field_name: v} if field_name else {})},
-                       f"{a} {field_name}={v}" if field_name else None) for a in archs for v in values]
+                       f"{a} {field_name}:{v}" if field_name else None) for a in archs for v in values]
     for runner in runners:  # warm-up (and compilation) of each model, timed apart
         start, graphs = time.perf_counter(), compiled_graphs()
         for _ in range(warmup):
