@@ -173,10 +173,14 @@ def test_the_gpu_ladder_states_its_assumed_throughput(capsys) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning", "ignore:Heartbeat:UserWarning")
-def test_a_ladder_study_queues_every_cell_and_counts_finished_ones_done(tmp_path: Path) -> None:
+def test_a_ladder_study_queues_every_cell_and_counts_finished_ones_done(tmp_path: Path, capsys) -> None:
     """The fast sibling of the killed ladder: the study engine queues the ladder's cells (one trial each, seeds
-    slowest, seed 0 of the smallest rung first)."""
-    spec = load_ablation(write(tmp_path, ladder_spec(tmp_path)))
+    slowest, seed 0 of the smallest rung first); a fit is refused before the ladder ran and while cells are
+    unfinished, with nothing written."""
+    path = write(tmp_path, ladder_spec(tmp_path))
+    spec = load_ablation(path)
+    assert satlab_main(["ladder", str(path), "--fit"]) == 2
+    assert "has not run yet, so there is nothing to fit" in capsys.readouterr().err
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     tracking = resolve_tracking(open_store(spec.base_config().tracking.uri), None)
     retry = StaleTrialRetry(spec.trial.max_retry)
@@ -191,6 +195,9 @@ def test_a_ladder_study_queues_every_cell_and_counts_finished_ones_done(tmp_path
     trial = study.ask()  # what a worker pops first: seed 0 of the smallest rung
     assert plan.cell(plan.suggest(trial)).key == spec.run_order()[0].key
     assert spec.run_order()[0].key.startswith("model.d_model=16 ")
+    assert satlab_main(["ladder", str(path), "--fit"]) == 2
+    assert "has 16 of 16 cells unfinished" in capsys.readouterr().err
+    assert not spec.out_path().exists() or not (spec.out_path() / "report.md").exists()
 
 
 @pytest.mark.slow

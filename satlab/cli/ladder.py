@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print each rung's parameters, FLOPs per token, budgets, runs and cost, and the grid; "
                              "run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    parser.add_argument("--fit", action="store_true",
+                        help="run nothing: fit the finished ladder and write its report (refused while a cell is "
+                             "unfinished; `satlab report` writes a partial one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +49,30 @@ def run(args: argparse.Namespace) -> int:
         print_ladder(spec)
         print_grid(spec, args.storage)
         return 0
+    if args.fit:
+        return fit_ladder(spec, args.spec)
     return run_grid(spec, args.workers, args.storage, not args.no_report)
+
+
+def fit_ladder(spec: AblationSpec, target: str) -> int:
+    """The report (with its scaling-ladder section) of a ladder whose every cell has finished."""
+    from satlab.studies.ablation_report import write_report
+    from satlab.studies.lookup import open_ablation
+    from satlab.studies.results import cell_runs
+
+    try:
+        spec, client, parent_run_id = open_ablation(target)
+    except ConfigError as e:
+        raise ConfigError(f"the ladder '{spec.name}' has not run yet, so there is nothing to fit: run it with "
+                          f"satlab ladder {target} ({'; '.join(e.problems)})") from None
+    finished = cell_runs(client, parent_run_id)
+    missing = [c.key for c in spec.cells() if c.key not in finished]
+    if missing:
+        raise ConfigError(f"the ladder '{spec.name}' has {len(missing)} of {len(spec.cells())} cells unfinished "
+                          f"(first: {missing[0]}), and the fit is of a finished ladder: run satlab ladder {target} "
+                          f"to finish them, or satlab report {target} for a report of what has finished")
+    write_report(spec, client, parent_run_id, console=make_console())
+    return 0
 
 
 def print_ladder(spec: AblationSpec) -> None:

@@ -30,6 +30,7 @@ from satlab.studies.ablation_claims import (
 )
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
 from satlab.studies.bind_report import BIND_KEY, bind_section
+from satlab.studies.ladder_report import ladder_section
 from satlab.studies.lr_transfer_report import lr_transfer_section
 from satlab.studies.parent_results import log_results, mlflow_name
 from satlab.studies.report_html import markdown_page
@@ -248,6 +249,8 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     files |= {"bind_curves": bind_figure} if bind_figure else {}
     transfer_lines, transfer, transfer_figure = lr_transfer_section(spec, groups, out)
     files |= {"lr_transfer": transfer_figure} if transfer_figure else {}
+    ladder_lines, ladder, ladder_figure = ladder_section(spec, groups, out)
+    files |= {"ladder_fit": ladder_figure} if ladder_figure else {}
     if transfer is not None:  # the commit the sweep ran at, for `satlab transfer` to record
         transfer["sweep"]["commit"] = client.get_run(parent_run_id).data.tags.get("git_revision")
     saturation_lines, saturation = [], None
@@ -257,14 +260,14 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     compute = compute_used(cell_runs(client, parent_run_id))
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
-                                                      *saturation_lines], [*bind_lines, *transfer_lines],
+                                                      *saturation_lines], [*bind_lines, *transfer_lines, *ladder_lines],
                            wanted=None if sequential is None else set(sequential["wanted"]), compute=compute)
     summary = {"name": spec.name, "parent_run_id": parent_run_id, "table": rows,
                "groups": group_numbers(spec, groups, group_keys(groups, labels), measures),
                "verdicts": [verdict_summary(v) for v in verdicts],
                "matched_tokens": matched, "loss_orders": orders, "compared_with": spec.compare_with,
                "budget_comparison": budgets, "saturation": saturation, "sequential": sequential,
-               "time_to_bind": bind_summary, "lr_transfer": transfer, "compute": compute,
+               "time_to_bind": bind_summary, "lr_transfer": transfer, "ladder": ladder, "compute": compute,
                "runs": {c.cell.key: c.run_id for g in groups for c in g.cells}}
     for name, filename, content in (
             ("markdown", "report.md", text),

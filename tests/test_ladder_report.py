@@ -1,0 +1,90 @@
+"""The report's scaling-ladder section on synthetic finished ladders: losses drawn from a known law for the
+Transformer and from the same law with a known compute multiplier for SATFormer (satlab.studies.scaling_sim's
+construction), through the same functions the report uses. The fitting code itself is tests/test_scaling_fit.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from satlab.studies import ladder as L
+from satlab.studies.ladder_report import ladder_section, seed_spread
+from satlab.studies.loader import load_ablation
+from satlab.studies.results import CellResult, GroupResult
+from satlab.studies.scaling_fit import RunPoints, ScalingLaw
+from satlab.studies.scaling_sim import law_with_multiplier
+from tests.test_ladder import ladder_spec, write
+
+TRUE = ScalingLaw(E=1.5, A=30.0, B=60.0, alpha=0.35, beta=0.3)
+RUNGS = [{"d_model": 16, "n_layers": 1, "n_heads": 1, "mlp_hidden": 32},
+         {"d_model": 24, "n_layers": 2, "n_heads": 2, "mlp_hidden": 48},
+         {"d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_hidden": 64},
+         {"d_model": 48, "n_layers": 3, "n_heads": 3, "mlp_hidden": 96}]
+
+
+def finished(tmp_path: Path, multiplier: float, noise: float = 0.002):
+    """A 4-rung ladder (3 budgets, 2 seeds on the first two rungs) with every cell finished: the Transformer's loss
+    from TRUE, SATFormer's from TRUE with a compute multiplier, times exp(N(0, noise)) per run."""
+    spec = load_ablation(write(tmp_path, ladder_spec(tmp_path, rungs=RUNGS, budgets=[0.25, 0.5, 1.0],
+                                                     seeds=[2, 2, 1, 1], lr=[4e-3] * 4,
+                                                     fit={"resamples": 60, "seed": 0, "grid": "coarse"})))
+    rungs = L.plan(spec)
+    laws = {"transformer": TRUE, "satformer": law_with_multiplier(TRUE, multiplier)}
+    rng = np.random.default_rng(1)
+    groups: dict[str, GroupResult] = {}
+    for cell in spec.cells():
+        values = cell.group_values
+        rung = next(r for r in rungs if all(values[k] == v for k, v in r.values.items()))
+        arch = values["model.arch"]
+        n = rung.sizes[arch].count(spec.ladder.per)
+        loss = float(laws[arch].loss(n, values["train.max_tokens"])) * math.exp(rng.normal(0, noise))
+        group = groups.setdefault(cell.group, GroupResult(cell.group, values, 0))
+        group.cells.append(CellResult(cell, f"run-{cell.slug}", {"val_loss": loss}, n, []))
+    return spec, list(groups.values())
+
+
+def test_a_known_multiplier_is_recovered_claimed_and_backtested(tmp_path: Path) -> None:
+    spec, groups = finished(tmp_path, multiplier=2.0)
+    lines, summary, figure = ladder_section(spec, groups, tmp_path)
+    text = "\n".join(lines)
+    assert "## Scaling ladder" in text and "model-based extrapolation" in text
+    assert figure is not None and figure.stat().st_size > 0
+    fit = summary["fits"]["transformer"]
+    assert fit["runs"] == 3 * (2 + 2 + 1 + 1) and fit["rungs"] == 4
+    assert fit["law"]["E"] == pytest.approx(TRUE.E, rel=0.1) and fit["se"]["E"] > 0
+    m = summary["multipliers"]["satformer"]
+    assert set(summary["multipliers"]) == {"satformer"}  # the reference has none
+    assert m["top_compute"]["point"] == pytest.approx(2.0, rel=0.15) and m["top_compute"]["claim"] == "gain"
+    assert set(m["targets"]) == {"1e+09", "1e+10", "1e+11"} and set(m["trend"]) == {"measured", "extrapolated"}
+    for arch in ("transformer", "satformer"):  # fitted on rungs 0-2, the top rung's runs predicted
+        backtest = summary["fits"][arch]["backtest"]
+        assert backtest["rung"] == 3 and len(backtest["runs"]) == 3 and backtest["fitted_runs"] == 3 * (2 + 2 + 1)
+        assert backtest["inside"] == sum(r["lower"] <= r["loss"] <= r["upper"] for r in backtest["runs"])
+        for run in backtest["runs"]:  # extrapolated from three sizes: the law's value to ~1 % (measured 0.0-1.4 %)
+            assert run["predicted"] == pytest.approx(run["loss"], rel=0.03) and run["lower"] < run["predicted"] \
+                < run["upper"]
+
+
+def test_without_a_true_gain_no_gain_is_claimed_at_the_ladders_compute(tmp_path: Path) -> None:
+    """The negative control: the same ladder with multiplier 1 claims nothing (the gain above is the data's)."""
+    _, summary, _ = ladder_section(*finished(tmp_path, multiplier=1.0), tmp_path)
+    top = summary["multipliers"]["satformer"]["top_compute"]
+    assert top["claim"] == "not resolved" and top["lower"] < 1.0 < top["upper"]
+
+
+def test_the_seed_spread_pools_log_loss_over_seeds_of_one_rung_and_budget(tmp_path: Path) -> None:
+    spec, _ = finished(tmp_path, multiplier=1.0)
+    small, large = L.plan(spec)[:2]
+
+    def run(rung: L.Rung, tokens: float, loss: float) -> tuple[L.Rung, RunPoints]:
+        return rung, RunPoints("r", 1e4, (tokens,), (loss,))
+
+    # two seeds at (small, 100) differing by 0.2 in log loss, three at (large, 100) at -0.1, 0, +0.1, one alone:
+    # squares 0.02 (1 dof) and 0.02 (2 dof): sqrt(0.04 / 3)
+    runs = [run(small, 100, math.exp(1.0)), run(small, 100, math.exp(1.2)), run(large, 100, math.exp(0.9)),
+            run(large, 100, math.exp(1.0)), run(large, 100, math.exp(1.1)), run(large, 200, 5.0)]
+    assert seed_spread(runs) == pytest.approx(math.sqrt(0.04 / 3))
+    assert seed_spread(runs[-1:]) == 0.0  # one seed: no spread to measure
