@@ -166,6 +166,17 @@ def test_the_dry_run_prints_each_rungs_plan_and_cost(tmp_path: Path, capsys) -> 
     assert not (tmp_path / "out").exists()
 
 
+def test_the_simulation_runs_the_ladders_shape_through_the_reports_claim_rule(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path, ladder_spec(tmp_path))
+    assert satlab_main(["ladder", str(path), "--simulate", "--replicates", "2", "--sim-resamples", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "simulated: 2 ladders per multiplier, 3 bootstrap refits" in printed
+    assert printed.count("top rung") == 2 and printed.count("N* = 1e+10") == 2  # per multiplier, 1 and 2
+    assert satlab_main(["ladder", str(path), "--simulate", "--replicates", "1"]) == 2
+    assert "--replicates and --sim-resamples must be >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_gpu_ladder_states_its_assumed_throughput(capsys) -> None:
     assert satlab_main(["ladder", "ladder_gpu", "--dry-run"]) == 0
     out = capsys.readouterr().out

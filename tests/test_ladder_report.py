@@ -88,3 +88,16 @@ def test_the_seed_spread_pools_log_loss_over_seeds_of_one_rung_and_budget(tmp_pa
             run(large, 100, math.exp(1.0)), run(large, 100, math.exp(1.1)), run(large, 200, 5.0)]
     assert seed_spread(runs) == pytest.approx(math.sqrt(0.04 / 3))
     assert seed_spread(runs[-1:]) == 0.0  # one seed: no spread to measure
+
+
+def test_a_simulated_ladder_of_one_run_per_budget_draws_each_runs_seed_noise_on_its_own() -> None:
+    from satlab.studies.scaling_sim import Ladder, simulate_runs
+
+    shape = Ladder(sizes=(1e4, 2e4, 4e4), tokens_per_param=(10.0, 20.0), seeds=(2, 1, 1), runs_per_budget=True)
+    runs = simulate_runs(TRUE, shape, np.random.default_rng(0), run_sd=0.1)
+    assert len(runs) == (2 + 1 + 1) * 2 and all(len(r.D) == 1 for r in runs)
+    offsets = [math.log(r.L[0] / float(TRUE.loss(r.N, r.D[0]))) for r in runs]
+    assert len(set(np.round(offsets, 12))) == len(runs)  # no two runs share an offset, even at one seed
+    shared = simulate_runs(TRUE, Ladder(sizes=(1e4, 2e4, 4e4), tokens_per_param=(10.0, 20.0), seeds=(2, 1, 1)),
+                           np.random.default_rng(0), run_sd=0.1)
+    assert len(shared) == 4 and all(len(r.D) == 2 for r in shared)  # one run decayed at both budgets

@@ -55,6 +55,9 @@ class Ladder:
     sizes: tuple[float, ...] = (2.5e5, 5e5, 1e6, 2e6, 4e6)
     tokens_per_param: tuple[float, ...] = (5.0, 10.0, 20.0, 40.0)
     seeds: tuple[int, ...] = (2, 2, 1, 1, 1)
+    runs_per_budget: bool = False
+    """True: each budget of each seed is a run of its own, with its own seed offset (satlab's ladders: one cosine
+    run per budget); False: one run per seed decayed at every budget."""
 
     def __post_init__(self) -> None:
         sizes = np.asarray(self.sizes, dtype=float)
@@ -83,6 +86,12 @@ def simulate_runs(law: ScalingLaw, ladder: Ladder, rng: np.random.Generator, run
     for size, seeds in zip(ladder.sizes, ladder.seeds, strict=True):
         D = np.asarray(ladder.tokens_per_param, dtype=float) * size
         for s in range(seeds):
+            if ladder.runs_per_budget:
+                for d in D:
+                    noise = run_sd * rng.standard_normal() + point_sd * rng.standard_normal()
+                    runs.append(RunPoints(f"N{size:.3g}-D{d:.3g}-s{s}", float(size), (float(d),),
+                                          (float(law.loss(size, d)) * float(np.exp(noise)),)))
+                continue
             noise = run_sd * rng.standard_normal() + point_sd * rng.standard_normal(len(D))
             runs.append(RunPoints(f"N{size:.3g}-s{s}", float(size), tuple(D), tuple(law.loss(size, D) * np.exp(noise))))
     return runs
