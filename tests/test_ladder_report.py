@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_ladder import ladder_spec, write
 
 from satlab.studies import ladder as L
 from satlab.studies.ladder_report import ladder_section, seed_spread
@@ -16,7 +17,6 @@ from satlab.studies.loader import load_ablation
 from satlab.studies.results import CellResult, GroupResult
 from satlab.studies.scaling_fit import RunPoints, ScalingLaw
 from satlab.studies.scaling_sim import law_with_multiplier
-from test_ladder import ladder_spec, write
 
 TRUE = ScalingLaw(E=1.5, A=30.0, B=60.0, alpha=0.35, beta=0.3)
 RUNGS = [{"d_model": 16, "n_layers": 1, "n_heads": 1, "mlp_hidden": 32},
