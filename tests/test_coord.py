@@ -133,9 +133,12 @@ def test_the_command_writes_its_files_and_an_mlflow_run(tmp_path, monkeypatch, c
     out = tmp_path / "coord"
     assert main(["coord", "--archs", "transformer,satformer", "--widths", "32,64", "--depths", "1,2", "--steps", "2",
                  "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # the table's caption wraps
     assert "sp control" in printed and "PASS" in printed
     report = json.loads((out / "coord.json").read_text())
+    worst = report["archs"]["satformer"]["series"]["width"]["worst"]
+    assert f"({worst['probe']}, {worst['step']})" in printed  # probe names print whole: [last] is not markup
+    assert "left out of the depth verdict: block_out[first] (" in printed and "block_out[mid] and" in printed
     assert list(report["archs"]) == ["transformer", "satformer"] and report["parametrization"] == "sp"
     satformer = report["archs"]["satformer"]["series"]
     assert satformer["width"]["x"] == [32, 64] and satformer["depth"]["x"] == [1, 2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from satlab.bench.coord_settings import (
@@ -133,11 +134,11 @@ def verdict_table(report: dict) -> Table:
         cells = []
         for series in ("width", "depth"):
             w = entry["series"][series]["worst"]
-            cells.append("—" if w is None else f"{abs(w['slope']):.2f} ({w['probe']}, {w['step']})")
+            cells.append("—" if w is None else f"{abs(w['slope']):.2f} ({escape(w['probe'])}, {w['step']})")
         table.add_row(arch, *cells, entry["verdict"]["rule"], entry["verdict"]["result"])
     table.caption = (f"thresholds fixed in satlab/bench/coord_settings.py: mup/completep |slope| < "
                      f"{thresholds['transfer_slope_limit']}; the sp control needs some |slope| > "
                      f"{thresholds['sp_slope_signal']}; took {report['seconds']:.0f} s"
-                     + "".join(f"; left out of the {series} verdict: {probe} ({why})"
+                     + "".join(f"; left out of the {series} verdict: {escape(probe)} ({escape(why)})"
                                for series, probes in NOT_COMPARED.items() for probe, why in probes.items()))
     return table
