@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import optuna
 import pytest
 import yaml
 from slurm_cluster import Cluster, slurm  # noqa: F401  (the session's cluster)
+from test_faults import WIDER, disk_size_for, small_disk  # noqa: F401
 from test_postgres import MICRO, cell_losses, make_store, postgres  # noqa: F401
 
 from satlab.config.loader import load_experiment
@@ -36,6 +38,7 @@ CPU_STUDY = ["--partition=debug", "--gres=none", "--cpus-per-task=1", "--time=20
 CPU_TRAIN = ["--partition=debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
              "--time=20"]
 """And instead of slurm_train.sbatch's: two tasks on the one node."""
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 STUDY_STEPS = 16  # of a pre-empted study's cells: 256 tokens a step (tests/test_postgres.py's MICRO)
 
 
@@ -215,7 +218,10 @@ def test_training_under_srun_pre_empted_is_requeued_and_resumes_exactly(slurm, t
     job = train_job(slurm, folder, "pre-empted", strategy)
     wait_for_checkpoint(slurm, folder, "pre-empted")
     slurm.run("scancel", "--signal=TERM", job)
-    slurm.wait(lambda: int(slurm.job(job)["Restarts"]) > 0, "the requeue", 300)
+    slurm.wait(lambda: int(slurm.job(job)["Restarts"]) > 0 or slurm.job(job)["JobState"] in ENDED,
+               "the requeue", 300)
+    requeued = slurm.job(job)
+    assert requeued["Restarts"] == "1" and "Held" not in requeued["Reason"], requeued  # requeued, not held
     jobs = slurm.wait_done(job, timeout=600)
     record(slurm, f"training, {strategy}, 2 tasks, pre-empted by scancel --signal=TERM", job)
     assert_completed(jobs, folder)
@@ -231,3 +237,29 @@ def test_training_under_srun_pre_empted_is_requeued_and_resumes_exactly(slurm, t
     one, _ = train_history(reference, "one")
     assert [v[-1] for _, v in sorted(logged.items())] == pytest.approx([v[0] for _, v in sorted(one.items())],
                                                                        abs=1e-5)
+
+
+@pytest.mark.slow  # ~3 min; the fast suite pre-empts a training job above
+def test_training_under_srun_out_of_disk_is_held_until_released_then_finishes(slurm, tmp_path, small_disk):  # noqa: F811
+    """The run's folder on a disk with room for one checkpoint and a half: rank 0 cannot write the next, so the
+    run exits 74 and the script requeues the job held; it waits (Restarts=1, held) until ``scontrol release``,
+    after space is freed, and then finishes from the checkpoint it kept."""
+    folder = slurm.submit_dir(tmp_path / "submit")
+    wider = [*train_args(folder, "full"), *WIDER]  # checkpoints large beside the margin (tests/test_faults.py)
+    disk = small_disk(disk_size_for(1.6, wider))
+    job = train_job(slurm, folder, "full", "ddp", *WIDER, f"train.out_dir={disk}")
+    slurm.wait(lambda: slurm.job(job)["JobState"] == "PENDING" and slurm.job(job)["Restarts"] == "1",
+               "the job requeued", 300)
+    time.sleep(15)  # longer than a requeued job waits (cred_expire): held, it stays pending
+    held = slurm.job(job)
+    record(slurm, "training out of disk: exit 74, requeued held", job)
+    assert held["JobState"] == "PENDING" and "Held" in held["Reason"], held
+    log = (folder / f"slurm-satlab-{job}.out").read_text()
+    assert f"no space left on {disk / 'full' / 'checkpoints'}" in log, log[-3000:]
+    small_disk(disk_size_for(12, wider))  # space freed
+    slurm.run("scontrol", "release", job)
+    jobs = slurm.wait_done(job, timeout=600)
+    record(slurm, "training out of disk, released", job)
+    assert_completed(jobs, folder)
+    logged, run = train_history(folder, "full")
+    assert run.info.status == "FINISHED" and sorted(logged) == list(range(TRAIN_STEPS))
