@@ -221,7 +221,7 @@ def test_training_under_srun_pre_empted_is_requeued_and_resumes_exactly(slurm, t
     slurm.wait(lambda: int(slurm.job(job)["Restarts"]) > 0 or slurm.job(job)["JobState"] in ENDED,
                "the requeue", 300)
     requeued = slurm.job(job)
-    assert requeued["Restarts"] == "1" and "Held" not in requeued["Reason"], requeued  # requeued, not held
+    assert requeued["Restarts"] == "1" and "held" not in requeued["Reason"].lower(), requeued  # requeued, not held
     jobs = slurm.wait_done(job, timeout=600)
     record(slurm, f"training, {strategy}, 2 tasks, pre-empted by scancel --signal=TERM", job)
     assert_completed(jobs, folder)
@@ -253,7 +253,7 @@ def test_training_under_srun_out_of_disk_is_held_until_released_then_finishes(sl
     time.sleep(15)  # longer than a requeued job waits (cred_expire): held, it stays pending
     held = slurm.job(job)
     record(slurm, "training out of disk: exit 74, requeued held", job)
-    assert held["JobState"] == "PENDING" and "Held" in held["Reason"], held
+    assert held["JobState"] == "PENDING" and "held" in held["Reason"].lower(), held
     log = (folder / f"slurm-satlab-{job}.out").read_text()
     assert f"no space left on {disk / 'full' / 'checkpoints'}" in log, log[-3000:]
     small_disk(disk_size_for(12, wider))  # space freed
