@@ -208,7 +208,8 @@ def wait_for_checkpoint(slurm: Cluster, folder: Path, name: str) -> None:  # noq
                f"a step checkpoint of {name}", 300)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("model_parallel", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~2.5 min each; the fast suite's ~3 min go to the pre-empted study task above (the same requeue)
+@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
 def test_training_under_srun_pre_empted_is_requeued_and_resumes_exactly(slurm, tmp_path, strategy):  # noqa: F811
     """slurm_train.sbatch with two tasks on the node: Lightning takes SLURM's ranks (gloo), so the run matches one
     process with the same global batch; ``scancel --signal=TERM`` (what ``--signal=SIGTERM@120`` sends the
@@ -239,7 +240,7 @@ def test_training_under_srun_pre_empted_is_requeued_and_resumes_exactly(slurm, t
                                                                        abs=1e-5)
 
 
-@pytest.mark.slow  # ~3 min; the fast suite pre-empts a training job above
+@pytest.mark.slow  # ~2.5 min
 def test_training_under_srun_out_of_disk_is_held_until_released_then_finishes(slurm, tmp_path, small_disk):  # noqa: F811
     """The run's folder on a disk with room for one checkpoint and a half: rank 0 cannot write the next, so the
     run exits 74 and the script requeues the job held; it waits (Restarts=1, held) until ``scontrol release``,
