@@ -76,7 +76,11 @@ class Cluster:
         """What the closing note of a run shows: each task's id, state, exit code and restart count."""
         fields = ("JobId", "ArrayJobId", "ArrayTaskId", "JobState", "Reason", "ExitCode", "Restarts")
         rows = [" ".join(f"{k}={job[k]}" for k in fields if k in job) for job in self.jobs(job_id)]
-        return f"## {title}\n" + "\n".join(rows) + "\n"
+        ids = {job["JobId"] for job in self.jobs(job_id)}
+        log = self.folder / "jobcomp.log"  # a line per ended attempt (a requeue included): sacct needs slurmdbd
+        ended = [line for line in (log.read_text().splitlines() if log.exists() else [])
+                 if line.split(" ", 1)[0].removeprefix("JobId=") in ids]
+        return f"## {title}\nscontrol:\n" + "\n".join(rows) + "\njobcomp.log:\n" + "\n".join(ended) + "\n"
 
 
 def job_env() -> dict[str, str]:

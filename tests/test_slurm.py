@@ -106,7 +106,8 @@ def one_host(spec: Path, monkeypatch) -> dict[str, float]:
 def test_an_array_of_four_study_workers_runs_every_cell_once_and_matches_one_host(slurm, postgres, tmp_path,  # noqa: F811
                                                                                   monkeypatch):
     folder = slurm.submit_dir(tmp_path / "submit")
-    spec = grid_spec(folder, "array4", make_store(folder), ["transformer", "satformer", "resformer", "gpt2"], 2048)
+    archs = ["transformer", "satformer", "resformer", "denseformer"]
+    spec = grid_spec(folder, "array4", make_store(folder), archs, 2048)
     job = study_array(slurm, postgres("array4"), spec, 4)
     jobs = slurm.wait_done(job, timeout=900)
     record(slurm, "array of 4 study workers, 4 cells", job)
