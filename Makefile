@@ -14,7 +14,7 @@ STAMP := $(VENV)/.satlab-installed
 # pip on this machine prints a line per local index it skips; keep the output readable.
 QUIET_PIP := grep -v '^WARNING: Location' || true
 
-.PHONY: help setup train test test-random test-full lint archs bench gpu-check wheelhouse ui sweep dashboard clean
+.PHONY: help setup train test slurm-up slurm-down slurm-status test-random test-full lint archs bench gpu-check wheelhouse ui sweep dashboard clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -92,6 +92,16 @@ reproduce: $(STAMP) ## the paper's loss claim with seeds added by a sequential p
 
 bench: $(STAMP) ## paired throughput/memory/MFU of all architectures (SIZE=tiny, DEPTHS=6,12,24, ARGS="--compile ...")
 	$(VENV)/bin/satlab bench --size $(or $(SIZE),tiny) $(if $(DEPTHS),--depths $(DEPTHS)) $(ARGS)
+
+SLURM_LOCAL_DIR ?= $(or $(TMPDIR),/tmp)/satlab-slurm
+slurm-up: ## a one-node SLURM on this machine (root; installs slurm-wlm+munge), to try the sbatch scripts on
+	SLURM_LOCAL_DIR=$(SLURM_LOCAL_DIR) bash scripts/slurm_local.sh up
+
+slurm-down: ## stop the one-node SLURM of make slurm-up (its jobs are cancelled)
+	SLURM_LOCAL_DIR=$(SLURM_LOCAL_DIR) bash scripts/slurm_local.sh down
+
+slurm-status: ## the one-node SLURM's daemons and sinfo
+	SLURM_LOCAL_DIR=$(SLURM_LOCAL_DIR) bash scripts/slurm_local.sh status
 
 # The GPU machine has no network: there the check installs satlab from the wheelhouse (.whl/) instead of make setup.
 GPU_CHECK_VENV := $(if $(and $(wildcard .whl/*.whl),$(if $(wildcard $(VENV)/bin/satlab),,1)),,$(STAMP))

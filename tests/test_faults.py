@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -214,13 +215,16 @@ def small_disk(tmp_path):
 WIDER = ["model.d_model=128", "model.mlp_hidden=512"]  # checkpoints of ~5 MB, so the margin is small beside them
 
 
-def disk_size_for(checkpoints: float) -> int:
-    """A disk that holds ``checkpoints`` of the WIDER model's (weights and two Adam moments, plus the margin)."""
+def disk_size_for(checkpoints: float, overrides: Sequence[str] = (*SMALL, *WIDER)) -> int:
+    """A disk that holds ``checkpoints`` of the model of ``overrides`` (default: the WIDER one), with the vocabulary
+    its data give it: its weights and two Adam moments, plus the margin."""
     from satlab.config.loader import load_experiment as load
+    from satlab.data.vocabulary import model_vocabulary
     from satlab.models import build_model, count_params
     from satlab.training.resilience import checkpoint_bytes
 
-    cfg = load("default", [*SMALL, *WIDER])
+    cfg = load("default", list(overrides))
+    cfg = model_vocabulary(cfg).sized(cfg)
     params = count_params(build_model(cfg.model, device="meta"))
     return int(checkpoints * checkpoint_bytes({"three copies": [torch.empty(params, device="meta")] * 3}))
 

@@ -395,10 +395,36 @@ def keep_newest_steps(checkpoint_dir: Path, keep: int, resume_from: Path | None 
 
 class CheckpointOnSigterm(L.Callback):
     """Lightning stops at the end of the current batch on SIGTERM (pre-emption, `scancel`); this writes
-    ``last.ckpt`` first, so `resume=auto` continues from there (the time limit stops a run the same way)."""
+    ``last.ckpt`` first, so `resume=auto` continues from there (the time limit stops a run the same way).
+
+    With several ranks every rank must stop at the same batch. Lightning's own SIGTERM handler broadcasts from
+    inside the handler, that is in the middle of whatever collective the rank is in, and then each rank stops on
+    its own flag at its own batch boundary: under srun, where every rank gets the signal at a slightly different
+    moment, the ranks end up waiting on each other for good. Here the handler only notes the signal; at the end of
+    every training batch the ranks agree (any rank signalled stops them all) and raise Lightning's flag together."""
 
     def __init__(self, checkpoint_dir: Path):
         self.checkpoint_dir = checkpoint_dir
+        self.requested = False
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        connector = trainer._signal_connector  # its handlers are registered after this hook, from this attribute
+        lightning_notifier = connector._sigterm_notifier_fn
+
+        def notify(signum, frame) -> None:
+            if trainer.world_size == 1:
+                lightning_notifier(signum, frame)
+                return
+            launcher = trainer.strategy.launcher
+            if not self.requested and launcher is not None:
+                launcher.kill(signum)  # the processes Lightning started itself, as its handler does
+            self.requested = True
+
+        connector._sigterm_notifier_fn = notify
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
