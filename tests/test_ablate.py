@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,10 @@ from satlab.config.errors import ConfigError
 from satlab.studies.ablation_plots import tile_images
 from satlab.studies.attrs import CELL, PARENT_RUN, REASON
 from satlab.studies.engine import run_study, set_up_study
-from satlab.studies.loader import apply_items, list_specs, load_ablation, spec_from_dict
+from satlab.studies.loader import apply_items, list_specs, load_ablation, load_spec, spec_from_dict
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
-from satlab.studies.spec import AblationSpec
+from satlab.studies.spec import AblationSpec, SweepSpec
 from satlab.studies.stats import (
     best_verdict,
     compare,
@@ -140,6 +141,21 @@ def test_shipped_ablations_expand_and_load() -> None:
     assert long.axes == short.axes and len(long.cells()) == 18  # the same grid at four times the budget
     assert [s.base_config().train.max_tokens for s in (short, long)] == [262_144, 1_048_576]
     assert long.overrides["train.ckpt_every_tokens"] < 1_048_576
+
+
+@pytest.mark.parametrize(("kind", "names"), [
+    (AblationSpec, ["arch_tiny", "lr_transfer", "mqar_layouts", "ladder_cpu"]),  # plain, grids, sequential, ladder
+    (SweepSpec, ["lr_tiny", "lr_paper_small"])])
+def test_shipped_specs_of_every_block_survive_the_round_trip_through_their_study(kind, names) -> None:
+    """A trial process rebuilds its spec from the dict stored on the study (StudySpec.to_dict): a spec of each kind
+    of block must come back equal, with the defaults of the blocks it does not use (a ladder's lr, None)."""
+    assert set(names) <= set(list_specs(kind))
+    for name in names:
+        spec = load_spec(kind, name)
+        back = spec_from_dict(kind, replace(spec, storage=None).to_dict(), f"the spec stored for {name}")
+        assert back.fingerprint() == spec.fingerprint(), name
+        if kind is AblationSpec:
+            assert [c.key for c in back.cells()] == [c.key for c in spec.cells()], name
 
 
 def test_welch_p_matches_scipy_and_the_formula() -> None:

@@ -95,7 +95,7 @@ def shape_problem(hint: Any, value: Any, field: dataclasses.Field) -> str | None
     plain, optional = without_none(hint)
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
     said = "" if default is dataclasses.MISSING else f" (the default is {shown(default)})"
-    if value is None and not optional and plain is not str:
+    if value is None and not optional and plain is not str and plain is not Any:  # Any takes None too
         return (f"has no value, but it needs {type_phrase(plain)}{said}: give one, or leave the key out to keep the "
                 "default")
     if isinstance(value, list | tuple | Mapping) and plain in (str, int, float, bool):

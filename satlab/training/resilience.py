@@ -408,8 +408,10 @@ class CheckpointOnSigterm(L.Callback):
         self.requested = False
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
-        connector = trainer._signal_connector  # its handlers are registered after this hook, from this attribute
-        lightning_notifier = connector._sigterm_notifier_fn
+        connector = getattr(trainer, "_signal_connector", None)  # registers its handlers after this hook
+        lightning_notifier = getattr(connector, "_sigterm_notifier_fn", None)
+        if lightning_notifier is None:  # a Lightning without these private names: its own handling, unchanged
+            return
 
         def notify(signum, frame) -> None:
             if trainer.world_size == 1:
