@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from satlab.config.errors import EXIT_NO_SPACE, ConfigError, RunStopped
 from satlab.training.checkpoint import KEY, read_checkpoint_meta
 from satlab.training.checkpoint_scan import cannot_read, load_checkpoint_file
+from satlab.training.sigterm import SigtermWatch
 
 LOCK_FILE = ".lock"
 WRITING, REPLACED, REMOVED = ".tmp-", ".old-", ".removed-"
@@ -401,10 +402,14 @@ class CheckpointOnSigterm(L.Callback):
     inside the handler, that is in the middle of whatever collective the rank is in, and then each rank stops on
     its own flag at its own batch boundary: under srun, where every rank gets the signal at a slightly different
     moment, the ranks end up waiting on each other for good. Here the handler only notes the signal; at the end of
-    every training batch the ranks agree (any rank signalled stops them all) and raise Lightning's flag together."""
+    every training batch the ranks agree (any rank signalled stops them all) and raise Lightning's flag together.
 
-    def __init__(self, checkpoint_dir: Path):
+    A SIGTERM that came before the fit began (``watch``, :mod:`satlab.training.sigterm`) stops it at the end of the
+    first batch the same way."""
+
+    def __init__(self, checkpoint_dir: Path, watch: SigtermWatch | None = None):
         self.checkpoint_dir = checkpoint_dir
+        self.watch = watch
         self.requested = False
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
@@ -424,8 +429,15 @@ class CheckpointOnSigterm(L.Callback):
 
         connector._sigterm_notifier_fn = notify
 
+    def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
+        if self.watch is not None and self.watch.received:
+            self.requested = True
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+        requested = self.requested
+        if trainer.world_size > 1:
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if requested:
             trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:

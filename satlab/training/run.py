@@ -44,6 +44,7 @@ from satlab.training.resilience import (
     keep_newest_steps,
     remove_partial_checkpoints,
 )
+from satlab.training.sigterm import watching_sigterm
 from satlab.training.stops import AlignLoggingStep, TimeLimit, TimeLimitReached
 from satlab.training.summary import print_summary
 from satlab.training.tracking import (
@@ -238,6 +239,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
         torch.set_float32_matmul_precision("high")
     run_dir = run_folder(cfg)
     with ExitStack() as held:
+        sigterm_watch = held.enter_context(watching_sigterm())  # a SIGTERM before the fit stops its first batch
         if rank_zero_only.rank == 0:  # the lock comes before the checkpoint choice, which renames files
             held.enter_context(RunLock(run_dir, cfg.name))
         ckpt_path, info = resume_point(run_dir, cfg)
@@ -278,7 +280,7 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
             info["view_url"] = publish_family_view(logger.experiment, logger.experiment_id, logger._tracking_uri)
 
         throughput = ThroughputCallback(flops, schedule.tokens_per_step)
-        sigterm = CheckpointOnSigterm(run_dir / "checkpoints")
+        sigterm = CheckpointOnSigterm(run_dir / "checkpoints", sigterm_watch)
         time_limit = TimeLimit(cfg.train.max_time_minutes)
         trainer = make_trainer(cfg, schedule, run_dir, logger, [throughput, sigterm, time_limit, *callbacks], progress)
         initial_val = None
