@@ -27,12 +27,13 @@ from scipy import stats
 from satlab.cli.main import main as satlab_main
 from satlab.config.errors import ConfigError
 from satlab.studies.ablation_plots import tile_images
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.attrs import CELL, PARENT_RUN, REASON
 from satlab.studies.engine import run_study, set_up_study
 from satlab.studies.loader import apply_items, list_specs, load_ablation, load_spec, spec_from_dict
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, child_runs
-from satlab.studies.spec import AblationSpec, SweepSpec
+from satlab.studies.spec import SweepSpec
 from satlab.studies.stats import (
     best_verdict,
     compare,

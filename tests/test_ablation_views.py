@@ -23,10 +23,10 @@ from test_ablate import TWO_CORPORA, assert_results_on_parent
 from satlab.studies.ablation_claims import paper_verdicts
 from satlab.studies.ablation_plots import draw_curves
 from satlab.studies.ablation_report import write_report
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.results import RECALL_MEASURES, CellResult, GroupResult
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, create_parent_run
-from satlab.studies.spec import AblationSpec
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FINAL = {"satformer": 5.5, "resformer": 5.6, "transformer": 5.7}

@@ -19,10 +19,10 @@ import yaml
 
 from satlab.cli.main import main as satlab_main
 from satlab.studies import ladder as L
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.engine import run_study, set_up_study
 from satlab.studies.loader import load_ablation, spec_from_dict
 from satlab.studies.plans import GridPlan
-from satlab.studies.spec import AblationSpec
 from satlab.studies.storage import open_storage
 from satlab.studies.workers import StaleTrialRetry
 from satlab.training.tracking import open_store, resolve_tracking

@@ -14,11 +14,11 @@ import yaml
 
 from satlab.cli.main import main
 from satlab.config.errors import ConfigError
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.lr_transfer import ABOVE, INTERIOR, NO_MINIMUM, fit_quadratic, optimum, series_verdict
 from satlab.studies.lr_transfer_report import lr_transfer_section, wider_is_better, wider_text
 from satlab.studies.results import CellResult, GroupResult
-from satlab.studies.spec import AblationSpec
 
 PONTIUS = Path(__file__).parent / "data" / "pontius.dat"
 # NIST StRD certified values (tests/data/pontius.dat's header)

@@ -22,9 +22,9 @@ from satlab.console import console
 from satlab.models import ARCHITECTURES, Architecture, build_model, count_params, register
 from satlab.models.parametrization import SCALAR
 from satlab.models.streams import DepthContext, ResidualStream
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, create_parent_run
-from satlab.studies.spec import AblationSpec
 
 
 class ScaledResidual(ResidualStream):

@@ -16,8 +16,9 @@ from satlab.cli.main import main as satlab_main
 from satlab.config.errors import EXIT_USAGE, ConfigError, listing, unknown_name
 from satlab.config.loader import load_experiment
 from satlab.config.resolve import KINDS, default_experiments_dir, default_sweeps_dir, read_spec, resolve
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation, load_sweep
-from satlab.studies.spec import AblationSpec, SweepSpec
+from satlab.studies.spec import SweepSpec
 
 EXPERIMENTS, SWEEPS = default_experiments_dir(), default_sweeps_dir()
 ABLATIONS = EXPERIMENTS / "ablations"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from satlab.config.errors import ConfigError
+from satlab.studies.ablation_spec import Cell
 from satlab.studies.loader import load_ablation
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, STOPPED_TAG, WOULD_PRUNE_TAG
 from satlab.studies.saturation_study import (
@@ -23,7 +24,6 @@ from satlab.studies.saturation_study import (
     saturation_section,
     score_guard,
 )
-from satlab.studies.spec import Cell
 
 TOKENS_PER_STEP = 1024
 

@@ -10,8 +10,8 @@ import pytest
 
 from satlab.config.errors import ConfigError
 from satlab.studies import sequential_schedule as S
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
-from satlab.studies.spec import AblationSpec
 
 ARCHS = ["transformer", "satformer", "resformer"]
 

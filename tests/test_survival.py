@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from satlab.studies.ablation_report import cell_text
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.bind_report import arm_estimates, bind_section
 from satlab.studies.loader import spec_from_dict
 from satlab.studies.results import RECALL_MEASURES, CellResult, GroupResult
-from satlab.studies.spec import AblationSpec
 from satlab.studies.survival import kaplan_meier, median_time, restricted_mean, wilson
 
 # Freireich et al. (1963), 6-MP arm: weeks in remission, + censored. Published Kaplan-Meier values (Kleinbaum and

@@ -8,8 +8,9 @@ from rich.table import Table
 
 from satlab.config.errors import EXIT_REQUEUE, ConfigError, shown
 from satlab.console import console as make_console
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation
-from satlab.studies.spec import AblationSpec, format_value
+from satlab.studies.spec import format_value
 
 SIGMA = 0.0975
 """Paired std of final validation loss, SATFormer vs ResFormer on Shakespeare in arch_tiny (+0.110 nats, paired p

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation
-from satlab.studies.spec import AblationSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,11 +13,12 @@ import mlflow
 
 from satlab.config.archs import ARCH_SPECS
 from satlab.evaluation.tasks import RETRIEVAL, chance_level
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation
 from satlab.studies.parent_results import mlflow_name
 from satlab.studies.results import RECALL_MEASURES, GroupResult, Measures, collect
 from satlab.studies.runs import find_parent_run
-from satlab.studies.spec import AblationSpec, format_value
+from satlab.studies.spec import format_value
 from satlab.studies.stats import Verdict, best_verdict, decide_all, ordering_verdict
 
 RECALL_REFERENCES = ("transformer", "resformer")

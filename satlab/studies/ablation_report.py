@@ -29,6 +29,7 @@ from satlab.studies.ablation_claims import (
     reference_group,
 )
 from satlab.studies.ablation_plots import loss_curves, metric_vs_axis, tile_images
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.bind_report import BIND_KEY, bind_section
 from satlab.studies.ladder_report import ladder_section
 from satlab.studies.lr_transfer_report import lr_transfer_section
@@ -47,7 +48,7 @@ from satlab.studies.results import (
 )
 from satlab.studies.saturation_study import saturation_section
 from satlab.studies.sequential_report import sequential_section, sequential_summary
-from satlab.studies.spec import AblationSpec, format_value
+from satlab.studies.spec import format_value
 from satlab.studies.stats import (
     Verdict,
     format_p,

@@ -23,8 +23,8 @@ import pandas as pd  # noqa: E402
 
 from satlab.studies.ablation_claims import arch_names, point_label  # noqa: E402
 from satlab.studies.ablation_plots import save_figure
+from satlab.studies.ablation_spec import AblationSpec  # noqa: E402
 from satlab.studies.results import GroupResult  # noqa: E402
-from satlab.studies.spec import AblationSpec  # noqa: E402
 from satlab.studies.survival import KaplanMeier, kaplan_meier, median_time, restricted_mean, wilson  # noqa: E402
 
 BIND_KEY = "recall/steps_to_bind"

@@ -24,10 +24,10 @@ from satlab.config.schema import ExperimentConfig
 from satlab.evaluation.callback import EvaluationCallback
 from satlab.studies import attrs as A
 from satlab.studies.callbacks import TrialCallback, TrialStopped
-from satlab.studies.loader import spec_from_dict
+from satlab.studies.loader import KINDS, spec_from_dict
 from satlab.studies.plans import make_pruner
 from satlab.studies.runs import STUDY_TAG, TRIAL_TAG
-from satlab.studies.spec import KINDS, StudySpec, SweepSpec
+from satlab.studies.spec import StudySpec, SweepSpec
 from satlab.studies.storage import open_storage, trial_id
 from satlab.training.launch import pid_alive
 from satlab.training.run import train

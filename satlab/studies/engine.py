@@ -23,6 +23,7 @@ from rich.console import Console
 from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
 from satlab.studies import attrs as A
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.dashboard import write_note
 from satlab.studies.plans import GridPlan, Plan, SearchPlan
 from satlab.studies.runs import (
@@ -36,7 +37,7 @@ from satlab.studies.runs import (
     usable_run,
 )
 from satlab.studies.sequential_looks import check_plan, look, store_plan
-from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
+from satlab.studies.spec import StudySpec, SweepSpec
 from satlab.studies.storage import open_storage, safe_url
 from satlab.studies.workers import StaleTrialRetry, TrialRunner, fail_dead_local_trials
 from satlab.training.chatter import library_chatter_to

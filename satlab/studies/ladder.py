@@ -16,7 +16,8 @@ from typing import Any
 from satlab.config.errors import ConfigError, shown
 from satlab.config.ladder import MIN_DECADES
 from satlab.config.schema import ExperimentConfig
-from satlab.studies.spec import AblationSpec, format_value
+from satlab.studies.ablation_spec import AblationSpec
+from satlab.studies.spec import format_value
 
 CPU_SECONDS_PER_GFLOP = 0.0376
 CPU_SECONDS_PER_TOKEN = 1.18e-5

@@ -21,6 +21,7 @@ import pandas as pd
 
 from satlab.studies.ablation_claims import arch_names
 from satlab.studies.ablation_plots import save_figure
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.ladder import Rung, plan
 from satlab.studies.results import GroupResult
 from satlab.studies.scaling_fit import (
@@ -38,7 +39,6 @@ from satlab.studies.scaling_fit import (
     optimal_points,
     standard_errors,
 )
-from satlab.studies.spec import AblationSpec
 
 BACKTEST_RESAMPLES = 200
 """Bootstrap refits of the backtest's lower-rung fit (its interval only needs the 5th and 95th percentiles)."""

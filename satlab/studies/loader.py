@@ -20,16 +20,11 @@ from satlab.config.resolve import names, read_spec
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import flatten_mapping, parse_item, short_path
 from satlab.config.structured import build, setting_hint, type_phrase, value_type_problem, without_none
-from satlab.studies.spec import (
-    DEFAULT_SPACE,
-    PARAM_KEYS,
-    AblationSpec,
-    Param,
-    StudySpec,
-    SweepSpec,
-    format_value,
-    is_param,
-)
+from satlab.studies.ablation_spec import AblationSpec
+from satlab.studies.spec import DEFAULT_SPACE, PARAM_KEYS, Param, StudySpec, SweepSpec, format_value, is_param
+
+KINDS: dict[str, type[StudySpec]] = {cls.kind: cls for cls in (SweepSpec, AblationSpec)}
+"""Every kind of study spec by its ``kind``: what a stored spec names."""
 
 S = TypeVar("S", bound=StudySpec)
 

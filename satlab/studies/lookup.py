@@ -22,10 +22,10 @@ from mlflow.exceptions import MlflowException
 from satlab.config.errors import ConfigError
 from satlab.config.resolve import find, folder, unknown
 from satlab.studies import attrs as A
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation, spec_from_dict
 from satlab.studies.plans import GridPlan
 from satlab.studies.runs import ABLATION_TAG, ROLE_TAG, find_parent_run, usable_run
-from satlab.studies.spec import AblationSpec
 from satlab.studies.storage import open_storage
 from satlab.training.tracking import resolve_tracking
 

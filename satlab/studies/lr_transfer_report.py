@@ -22,9 +22,10 @@ import pandas as pd  # noqa: E402
 
 from satlab.studies.ablation_claims import arch_names  # noqa: E402
 from satlab.studies.ablation_plots import save_figure
+from satlab.studies.ablation_spec import AblationSpec  # noqa: E402
 from satlab.studies.lr_transfer import INTERIOR, Optimum, optimum, series_verdict  # noqa: E402
 from satlab.studies.results import GroupResult  # noqa: E402
-from satlab.studies.spec import AblationSpec, format_value  # noqa: E402
+from satlab.studies.spec import format_value
 
 TRANSFER_KEYS = ("model.parametrization", "model.base_width", "model.base_depth", "model.depth_alpha")
 """The fields a parametrisation derives the rest from: recorded with the study, written by ``satlab transfer``."""

@@ -15,9 +15,10 @@ from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
+from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.attrs import ARCH, CELL, IGNORED, REASON, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
-from satlab.studies.spec import AblationSpec, Cell, Param, SweepSpec, format_value, short_label
+from satlab.studies.spec import Param, SweepSpec, format_value, short_label
 from satlab.studies.storage import open_storage, trial_id
 from satlab.training.views import COLOUR_TAG, arch_colour, colour
 

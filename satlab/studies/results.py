@@ -14,8 +14,8 @@ from pathlib import Path
 import mlflow
 from mlflow.entities import Run
 
+from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.runs import CELL_TAG, CPU_METRIC, child_runs
-from satlab.studies.spec import AblationSpec, Cell
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from mlflow.entities import Param, Run
 from optuna.trial import FrozenTrial
 
 from satlab.studies import attrs as A
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.best import is_feasible
-from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec, format_value
+from satlab.studies.spec import StudySpec, SweepSpec, format_value
 from satlab.studies.storage import safe_url
 from satlab.training.tracking import END_TAG, experiment_id, git_revision, usable_run
 

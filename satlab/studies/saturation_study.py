@@ -29,8 +29,9 @@ import numpy as np
 import pandas as pd
 
 from satlab.evaluation.gates import required_share
+from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.runs import CELL_TAG, STOPPED_TAG, WOULD_PRUNE_TAG, child_runs
-from satlab.studies.spec import AblationSpec, Cell, SaturationGuard, format_value
+from satlab.studies.spec import SaturationGuard, format_value
 from satlab.studies.stats import format_p, mean_std
 
 LR_KEY = "optim.lr"

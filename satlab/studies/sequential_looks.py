@@ -33,8 +33,8 @@ from rich.console import Console
 from satlab.config.errors import ConfigError, shown
 from satlab.studies import attrs as A
 from satlab.studies import sequential_schedule as S
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.results import cell_runs, final_values
-from satlab.studies.spec import AblationSpec
 
 LOOKS_JSON = "sequential/looks.json"
 LOOKS_CSV = "sequential/looks.csv"

@@ -16,10 +16,10 @@ import mlflow
 import pandas as pd
 
 from satlab.studies import sequential_schedule as S
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.results import cell_runs, final_values
 from satlab.studies.sequential import EARLY_STOP_NOTE, EQUIVALENCE_NOTE
 from satlab.studies.sequential_looks import REPLAY_TAG, recorded_looks
-from satlab.studies.spec import AblationSpec
 
 OUTCOME_TEXT = {"a_better": "{a} better", "b_better": "{b} better", "equivalent": "equivalent within ±{margin:g}",
                 "undecided": "undecided at n_max", "continue": "open", "waiting": "open (first look not reached)"}

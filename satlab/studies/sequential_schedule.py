@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from satlab.config.sequential import SequentialPlan
+from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.parent_results import VERDICT_TAG, mlflow_name
 from satlab.studies.sequential import PairVerdict, evaluate, pairs
-from satlab.studies.spec import AblationSpec, Cell, format_value
+from satlab.studies.spec import format_value
 
 OPEN = ("waiting", "continue")
 TAG_OUTCOME = {"a_better": "a_better", "b_better": "b_better", "equivalent": "equivalent",
@@ -40,7 +41,7 @@ class Family:
 
 @dataclass(frozen=True)
 class Design:
-    """A spec's plan as comparisons of arms (group keys, :attr:`satlab.studies.spec.Cell.group`)."""
+    """A spec's plan as comparisons of arms (group keys, :attr:`satlab.studies.ablation_spec.Cell.group`)."""
 
     plan: SequentialPlan
     seeds: tuple[str, ...]  # the seed axis' values as overrides write them, in the axis' order

@@ -29,6 +29,7 @@ from satlab.config.loader import load_experiment, safe_run_name
 from satlab.config.schema import ExperimentConfig
 from satlab.config.specs import nest
 from satlab.studies import attrs as A
+from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.plans import GridPlan, Plan, Point, SearchPlan
 from satlab.studies.runs import (
     INTERRUPTED,
@@ -40,7 +41,7 @@ from satlab.studies.runs import (
     read_run_id,
     usable_run,
 )
-from satlab.studies.spec import AblationSpec, StudySpec, SweepSpec
+from satlab.studies.spec import StudySpec, SweepSpec
 from satlab.studies.storage import trial_id
 from satlab.training.launch import ProcessGroup, describe_exit, pid_alive, worker_env
 
