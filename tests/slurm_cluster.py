@@ -76,11 +76,10 @@ class Cluster:
         """What the closing note of a run shows: each task's id, state, exit code and restart count."""
         fields = ("JobId", "ArrayJobId", "ArrayTaskId", "JobState", "Reason", "ExitCode", "Restarts")
         rows = [" ".join(f"{k}={job[k]}" for k in fields if k in job) for job in self.jobs(job_id)]
-        ids = {job["JobId"] for job in self.jobs(job_id)}
-        log = self.folder / "jobcomp.log"  # a line per ended attempt (a requeue included): sacct needs slurmdbd
-        ended = [line for line in (log.read_text().splitlines() if log.exists() else [])
-                 if line.split(" ", 1)[0].removeprefix("JobId=") in ids]
-        return f"## {title}\nscontrol:\n" + "\n".join(rows) + "\njobcomp.log:\n" + "\n".join(ended) + "\n"
+        ids = ",".join(sorted({job["JobId"] for job in self.jobs(job_id)}, key=int))
+        # a line per ended attempt, a requeue included: plain sacct needs slurmdbd, -c reads the completion log
+        ended = self.run("sacct", "-c", "-j", ids, "-o", "JobID,JobName,State,ExitCode,Start,End", check=False)
+        return f"## {title}\nscontrol:\n" + "\n".join(rows) + "\nsacct -c:\n" + ended
 
 
 def job_env() -> dict[str, str]:

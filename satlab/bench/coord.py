@@ -57,9 +57,10 @@ class Measurement:
     params: int
 
 
-def shape_config(shape: Shape, settings: CoordSettings) -> ExperimentConfig:
+def shape_config(shape: Shape, settings: CoordSettings, seed: int | None = None) -> ExperimentConfig:
     """The experiment config of one shape: the default experiment with byte tokens, the fixed batch, a constant
-    learning rate (no warmup, no decay: the check looks at the first steps) and the user's overrides last."""
+    learning rate (no warmup, no decay: the check looks at the first steps), ``seed`` (else the first of the
+    settings') and the user's overrides last."""
     w, b, t = shape.width, settings.batch, settings.seq_len
     heads = w // settings.head_dim
     fixed = [f"model.arch={shape.arch}", f"model.d_model={w}", f"model.n_layers={shape.depth}",
@@ -67,7 +68,8 @@ def shape_config(shape: Shape, settings: CoordSettings) -> ExperimentConfig:
              f"model.vocab_size={BYTE_VOCAB}", "data.tokenizer.kind=byte", f"data.seq_len={t}",
              f"train.micro_batch_size={b}", f"train.global_batch_tokens={b * t}",
              f"train.max_tokens={b * t * max(1, settings.steps)}", "train.precision=32-true",
-             "optim.warmup_fraction=0", "optim.min_lr_ratio=1"]
+             "optim.warmup_fraction=0", "optim.min_lr_ratio=1",
+             f"train.seed={settings.seeds[0] if seed is None else seed}"]
     return load_experiment("default", [*fixed, *settings.overrides])
 
 
@@ -252,6 +254,23 @@ def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, 
     return Measurement(rms, losses, time.perf_counter() - start, params)
 
 
+def seed_mean(measured: Sequence[Measurement]) -> Measurement:
+    """One shape's measurements over seeds as one: per probe and step the geometric mean of the RMS (a slope of
+    log RMS is then the mean of the seeds' slopes), the mean loss, the summed time. A value missing or not positive
+    in any seed makes the mean NaN (left out of the fit)."""
+    probes = sorted({p for m in measured for p in m.rms})
+    steps = max(len(v) for m in measured for v in m.rms.values())
+
+    def geometric(values: list[float]) -> float:
+        ok = all(math.isfinite(v) and v > 0 for v in values)
+        return math.exp(sum(map(math.log, values)) / len(values)) if ok else math.nan
+
+    rms = {p: [geometric([m.rms[p][s] if p in m.rms and s < len(m.rms[p]) else math.nan for m in measured])
+               for s in range(steps)] for p in probes}
+    losses = [sum(values) / len(values) for values in zip(*(m.losses for m in measured), strict=True)]
+    return Measurement(rms, losses, sum(m.seconds for m in measured), measured[0].params)
+
+
 def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of log y against log x over the points with a finite, positive y (NaN with fewer than
     two such points at distinct x)."""
@@ -312,11 +331,14 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
             runs = [s for s in shapes(settings) if s.arch == arch and s.series == series]
             measured = []
             for shape in runs:
-                cfg = shape_config(shape, settings)
-                entry["parametrization"] = report["parametrization"] = parametrization(cfg)
-                m = measure(cfg, inputs, targets, settings.steps, prepare)
+                seeds = []
+                for seed in settings.seeds:
+                    cfg = shape_config(shape, settings, seed)
+                    entry["parametrization"] = report["parametrization"] = parametrization(cfg)
+                    seeds.append(measure(cfg, inputs, targets, settings.steps, prepare))
+                m = seed_mean(seeds)
                 progress(f"{arch} width {shape.width} depth {shape.depth}: {m.params / 1e6:.2f}M params, "
-                         f"{m.seconds:.1f} s, loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}")
+                         f"{len(seeds)} seed(s) in {m.seconds:.1f} s, loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}")
                 measured.append(m)
             xs = [s.x for s in runs]
             slopes = series_slopes(xs, [m.rms for m in measured])
@@ -343,8 +365,8 @@ def plan(settings: CoordSettings) -> list[dict]:
             params = sum(p.numel() for p in build_model(cfg.model).parameters())
         tokens = settings.batch * settings.seq_len
         gflop = (6 * settings.steps + 2) * params * tokens / 1e9
+        seconds = gflop * SECONDS_PER_GFLOP + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP
         rows.append({**asdict(shape), "heads": cfg.model.n_heads, "mlp_hidden": cfg.model.mlp_hidden,
                      "params": params, "parametrization": parametrization(cfg),
-                     "estimated_seconds": gflop * SECONDS_PER_GFLOP
-                     + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP})
+                     "estimated_seconds": seconds * len(settings.seeds)})
     return rows

@@ -21,9 +21,15 @@ NOT_COMPARED = {"depth": {
 """Probes recorded but left out of a series' verdict, with the reason (shown in the report). Decided after the first
 full-grid run under CompleteP (docs/results/2026-12-04-coord-completep.md), which found block_out[first] the worst
 depth slope of the residual architectures; the thresholds did not change."""
-FIRST_CHECKED_STEP = 1
-"""Step 0 is the initial model; the thresholds apply from the first step after an update on."""
-DEFAULT_WIDTHS = (64, 128, 256, 512, 1024)
+FIRST_CHECKED_STEP = 3
+"""Step 0 is the initial model; the thresholds apply from this step on. Version 2 of the rule (fixed in
+docs/results/2026-12-04-coord-diagnostic.md before it ran): version 1 judged from step 1, where the first update's
+transient (the logits' init term, the residual stream's 1/√L start under CompleteP) dominated the worst slopes."""
+DEFAULT_WIDTHS = (128, 256, 512, 1024, 2048)
+"""Version 2: 8x up to the widths the paper's presets use (version 1: 64-1024)."""
+DEFAULT_SEEDS = (0, 1, 2)
+"""Version 2: each probe's RMS is the geometric mean over these seeds (version 1: one seed), since the diagnostic
+measured slopes moving about ±0.15 between seeds, more than the 0.1 threshold."""
 DEFAULT_DEPTHS = (2, 4, 8, 16, 32)
 DEFAULT_STEPS = 10
 HEAD_DIM = 32
@@ -49,6 +55,7 @@ class Shape:
 @dataclass
 class CoordSettings:
     archs: list[str]
+    seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))
     widths: list[int] = field(default_factory=lambda: list(DEFAULT_WIDTHS))
     depths: list[int] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     steps: int = DEFAULT_STEPS

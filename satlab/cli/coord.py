@@ -11,8 +11,10 @@ from rich.table import Table
 
 from satlab.bench.coord_settings import (
     DEFAULT_DEPTHS,
+    DEFAULT_SEEDS,
     DEFAULT_STEPS,
     DEFAULT_WIDTHS,
+    FIRST_CHECKED_STEP,
     HEAD_DIM,
     NOT_COMPARED,
     CoordSettings,
@@ -31,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"widths at the base depth (default {DEFAULTS['widths']}); multiples of --head-dim")
     parser.add_argument("--depths", default=DEFAULTS["depths"],
                         help=f"depths at the base width (default {DEFAULTS['depths']})")
+    parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
+                        help="comma-separated seeds; each RMS is their geometric mean (default: 0,1,2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"AdamW steps on the fixed batch (default {DEFAULT_STEPS})")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
@@ -60,6 +64,16 @@ def sizes(text: str, option: str, problems: list[str], multiple: int = 1) -> lis
     return values
 
 
+def seed_list(text: str, problems: list[str]) -> list[int]:
+    """``--seeds`` as distinct non-negative integers (a problem added otherwise)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.isdigit() for item in items) or len(set(map(int, items))) < len(items):
+        problems.append(f"--seeds takes distinct non-negative integers separated by commas, e.g. 0,1,2; got "
+                        f"{shown(text)}")
+        return []
+    return [int(item) for item in items]
+
+
 def settings_of(args: argparse.Namespace) -> CoordSettings:
     """The check's settings from the command line, every shape's config built (so a bad override, or a
     parametrisation the config does not know, is refused before anything runs); raises ConfigError."""
@@ -72,8 +86,10 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
         problems.append(f"--head-dim must be an even integer >= 2 (RoPE rotates pairs), got {args.head_dim}")
     widths = sizes(args.widths, "--widths", problems, max(2, args.head_dim))
     depths = sizes(args.depths, "--depths", problems)
-    if not 1 <= args.steps <= 1000:
-        problems.append(f"--steps must be in [1, 1000] (the check looks at the first steps), got {args.steps}")
+    seeds = seed_list(args.seeds, problems)
+    if not FIRST_CHECKED_STEP <= args.steps <= 1000:
+        problems.append(f"--steps must be in [{FIRST_CHECKED_STEP}, 1000] (the verdict reads steps "
+                        f"{FIRST_CHECKED_STEP} on, and the check looks at the first steps), got {args.steps}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         problems.append(f"--out {shown(args.out)} is a file; it names the folder the check writes into")
@@ -82,7 +98,7 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
     from satlab.bench.coord import shape_config
 
     extra = [f"model.parametrization={args.parametrization}"] if args.parametrization is not None else []
-    settings = CoordSettings(archs=archs, widths=widths, depths=depths, steps=args.steps,
+    settings = CoordSettings(archs=archs, seeds=seeds, widths=widths, depths=depths, steps=args.steps,
                              overrides=[*extra, *args.overrides], head_dim=args.head_dim)
     for shape in shapes(settings):
         shape_config(shape, settings)  # raises ConfigError with every problem of the overrides
@@ -112,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_table(rows: list[dict], settings: CoordSettings) -> Table:
     total = sum(r["estimated_seconds"] for r in rows)
-    table = Table(title=f"coordinate check plan: {len(rows)} models, {settings.steps} steps each on a batch of "
+    table = Table(title=f"coordinate check plan: {len(rows)} models x {len(settings.seeds)} seed(s), "
+                        f"{settings.steps} steps each on a batch of "
                         f"{settings.batch} x {settings.seq_len} byte tokens, one CPU thread, fp32 "
                         f"(estimated {total / 60:.1f} min)")
     for column in ("arch", "series", "width", "depth", "heads", "mlp", "params", "param.", "est. s"):
