@@ -12,10 +12,11 @@ import mlflow
 import pytest
 import yaml
 from test_ablate import MICRO
+from test_postgres import finish, hosts, postgres, start  # noqa: F401  (the session's PostgreSQL)
 
 from satlab.cli.main import main as satlab_main
 from satlab.studies import sequential_schedule as S
-from satlab.studies.attrs import SEQUENTIAL_LOOKS, SEQUENTIAL_PLAN
+from satlab.studies.attrs import LOG, SEQUENTIAL_LOOKS, SEQUENTIAL_PLAN, WORKER
 from satlab.studies.engine import run_study
 from satlab.studies.loader import load_ablation
 from satlab.studies.plans import GridPlan
@@ -110,3 +111,33 @@ def test_the_dry_run_before_any_look_prints_the_plan_and_the_first_looks_cells(t
     assert "no look recorded yet" in out and "next: look 1 (study): 6 cell(s) to run" in out
     assert sum(line.startswith("  optim.lr=") for line in out.splitlines()) == 6
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.slow  # make test-full (~2 min)
+@pytest.mark.process
+def test_two_drivers_share_a_sequential_ablation_and_record_each_look_once(tmp_path, postgres):  # noqa: F811
+    """Two drivers from two working directories on one PostgreSQL study, as two hosts join a sequential ablation:
+    each replays the looks on the cells finished so far, so both may record a look at about the same moment. The
+    looks must come out once each, in order, as one driver records them (a rerun replays them unchanged), every cell
+    launched once, and only the seeds the looks reached run."""
+    path = write_spec(tmp_path)
+    (tmp_path / "mlruns").mkdir()
+    mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}").search_experiments()  # made once, first
+    url = postgres("sequential")
+    drivers = [start(["ablate", str(path), "--storage", url, "--no-report"], cwd) for cwd in hosts(tmp_path)]
+    for driver in drivers:
+        finish(driver)
+    spec = load_ablation(path)
+    plan = GridPlan(spec)
+    study = plan.recorded_study(url)
+    rows = study.user_attrs[SEQUENTIAL_LOOKS]
+    assert [r["look"] for r in rows] == list(range(1, len(rows) + 1)), rows  # one row per look, in order
+    launched = {key: [t for t in trials if t.user_attrs.get(LOG)] for key, trials in plan.trials_by_cell(study).items()}
+    ran = {key for key, trials in launched.items() if trials}
+    assert all(len(trials) == 1 and trials[0].state.name == "COMPLETE" for key, trials in launched.items()
+               if key in ran), launched
+    assert ran == {c.key for c in spec.cells() if c.seed < rows[-1]["seeds"]}
+    assert len({t.user_attrs[WORKER] for key in ran for t in launched[key]}) == 2  # both drivers ran cells
+    again = run_study(spec, workers=1, storage=url, report=False)  # one driver replaying: nothing new, nothing run
+    assert again.finished == [] and not again.failed
+    assert plan.recorded_study(url).user_attrs[SEQUENTIAL_LOOKS] == rows
