@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import yaml
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", default=None, metavar="FIELD=V1,V2",
                         help="build each architecture once per value of a model field and pair each with itself at "
                              "the first value, e.g. parametrization=sp,completep: the runtime cost of an option")
+    parser.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a model field for every model (repeatable), e.g. --model base_width=64: a "
+                             "parametrisation compared at its base shape is sp, so move the base off it")
+    parser.add_argument("--census", action="store_true",
+                        help="with --compare: count each step's ops, elements written and matmul FLOPs instead of "
+                             "timing it (exact on any host; satlab/bench/census.py)")
     parser.add_argument("--out", default="reports/bench.json", help="JSON output (default: reports/bench.json)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
     parser.add_argument("--data", action="store_true",
@@ -66,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"{name} must be >= {least}, got {value}")
     depths = parse_counts(args.depths, problems)
     compare = parse_compare(args.compare, problems)
+    model = parse_model_fields(args.model, problems)
+    if args.census and compare is None:
+        problems.append("--census counts what a model option adds to a step: give it --compare FIELD=V1,V2, e.g. "
+                        "--compare parametrization=sp,completep")
     if problem := device_problem(args.device, "--device"):
         problems.append(problem)
     procs = parse_counts(args.procs, problems, "--procs", "process counts") if args.data else []
@@ -80,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.recall:
         return run_recall(args)
     args.batch, args.seq_len = args.batch or 8, args.seq_len or 256
+    if compare is not None and compare[0] == "parametrization" and at_base_shape(args.size, model):
+        print(f"note: size '{args.size}' is the parametrisations' base shape (model.base_width, base_depth), where "
+              "mup and completep change nothing; --model base_width=... base_depth=... moves the base off it")
+    if args.census:
+        return run_census(args, archs, compare, model)
     from satlab.bench.depth import depth_sweep
     from satlab.bench.host import describe_host, host_line, remeasure
     from satlab.bench.throughput import bench_device
@@ -88,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     bench_args = dict(size=args.size, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
                       device=args.device, precision=args.precision, compile=args.compile,
                       ci_target=args.ci_target or None, max_rounds=max(args.max_rounds, args.rounds),
-                      compare=compare)
+                      compare=compare, overrides=model)
     sweep = depth_sweep(archs, depths or [SIZE_PRESETS[args.size]["n_layers"]], **bench_args)
     report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "host": remeasure(host)}
     out = Path(args.out)
@@ -228,6 +244,58 @@ def run_recall(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
+    return 0
+
+
+def parse_model_fields(items: list[str], problems: list[str]) -> dict:
+    """``--model base_width=64 --model base_depth=3`` as {field: value}; a problem for anything else."""
+    from dataclasses import fields
+
+    from satlab.config.schema import ModelConfig
+
+    valid, chosen = {f.name for f in fields(ModelConfig)}, {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip().removeprefix("model.")
+        if name not in valid:
+            problems.append(unknown_name("model field for --model", name, valid))
+        elif not sep or not raw.strip():
+            problems.append(f"--model takes FIELD=VALUE, as base_width=64; got {shown(item)}")
+        else:
+            chosen[name] = yaml.safe_load(raw.strip())
+    return chosen
+
+
+def at_base_shape(size: str, model: dict) -> bool:
+    from satlab.config.schema import ModelConfig
+
+    shape = {**SIZE_PRESETS[size], **model}
+    defaults = ModelConfig()
+    return (shape["d_model"] == model.get("base_width", defaults.base_width)
+            and shape["n_layers"] == model.get("base_depth", defaults.base_depth))
+
+
+def run_census(args: argparse.Namespace, archs: list[str], compare: tuple[str, list], model: dict) -> int:
+    """``--census``: each architecture's step at each value counted against the first value."""
+    from satlab.bench.census import compare_census
+
+    pairs = compare_census(archs, *compare, size=args.size, batch=args.batch, seq_len=args.seq_len, model=model)
+    table = Table(title=f"one training step counted (size '{args.size}', batch {args.batch} x {args.seq_len}, fp32, "
+                        f"CPU{', ' + ', '.join(f'{k}={v}' for k, v in model.items()) if model else ''})")
+    for column in ("model", "op calls", "elements written", "matmul GFLOP", "ratio calls", "ratio elements",
+                   "ratio FLOPs", "ops added (calls, elements)"):
+        table.add_column(column, justify="left" if column in ("model", "ops added (calls, elements)") else "right")
+    for reference, other in pairs:
+        ratios = other.ratios(reference)
+        added = ", ".join(f"{op} {c:+d} ({e:+,})" for op, (c, e) in other.added_ops(reference).items()) or "none"
+        table.add_row(other.label, f"{other.calls:,}", f"{other.elements:,}", f"{other.flops / 1e9:.2f}",
+                      f"{ratios['calls']:.4f}", f"{ratios['elements']:.4f}", f"{ratios['flops']:.4f}", added)
+    make_console().print(table)
+    out = Path(args.out if args.out != "reports/bench.json" else "reports/bench_census.json")
+    report = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+              "pairs": [{"reference": asdict(r), "other": asdict(o), "ratios": o.ratios(r),
+                         "added_ops": o.added_ops(r)} for r, o in pairs]}
+    save_report(report, out)
     return 0
 
 
