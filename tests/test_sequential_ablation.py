@@ -110,7 +110,20 @@ def test_the_dry_run_before_any_look_prints_the_plan_and_the_first_looks_cells(t
     assert "sequential plan: val/loss (lower is better), alpha 0.05" in out and "looks [3, 4]" in out
     assert "no look recorded yet" in out and "next: look 1 (study): 6 cell(s) to run" in out
     assert sum(line.startswith("  optim.lr=") for line in out.splitlines()) == 6
+    printed = " ".join(out.split())  # a sign-flip p of 4 seeds is at least 1/16, above the 0.025 a side of one
+    assert "the looks at 3, 4 seeds cannot stop" in printed and "at least 6 seeds" in printed  # comparison
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()
+    (tmp_path / "more").mkdir()
+    looked = write_spec(tmp_path / "more")  # the reproduce plan's looks and alpha shared six ways: dead until 20
+    data = yaml.safe_load(looked.read_text())
+    data["axes"]["train.seed"] = list(range(20))
+    data["sequential"] = {"looks": [3, 5, 8, 12, 20]}
+    data["axes"]["optim.lr"] = [1e-2, 3e-3, 1e-3, 1e-9]  # all pairs of four: six comparisons
+    data["sequential"]["comparisons"] = "all_pairs"
+    looked.write_text(yaml.safe_dump(data))
+    assert satlab_main(["ablate", str(looked), "--dry-run"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "the looks at 3, 5, 8, 12 seeds cannot stop" in printed and "decided before 20 seeds" in printed
 
 
 @pytest.mark.slow  # make test-full (~2 min)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from rich.table import Table
 
@@ -116,6 +117,14 @@ def print_sequential(spec: AblationSpec, storage: str | None = None) -> None:
             table.add_row(str(k + 1), str(n), f"{bounds.z[k]:.3f}", f"{bounds.nominal[k]:.3g}",
                           f"{bounds.critical(k):.3f}", f"{bounds.spent[k]:.3g}")
         console.print(table)
+        if dead := [n for n, z in zip(p.schedule, bounds.z, strict=True) if math.isinf(z)]:
+            first = next((n for n, z in zip(p.schedule, bounds.z, strict=True) if not math.isinf(z)), None)
+            console.print(f"[yellow]the looks at {', '.join(map(str, dead))} seeds cannot stop a comparison at its "
+                          "starting alpha (their nominal level is below 2^-n, the smallest sign-flip p of n seeds): "
+                          + (f"no comparison of this family can be decided before {first} seeds[/]" if first else
+                             f"no comparison of this family can be decided at all (2^-{p.schedule[-1]} > "
+                             f"{share:.3g}); the looks need at least {math.ceil(-math.log2(share))} seeds[/]"),
+                          soft_wrap=True)
         for a, b in family.comparisons:
             console.print(f"  {S.arm_label(design, a)} vs {S.arm_label(design, b)}", soft_wrap=True)
     grid = GridPlan(spec)
