@@ -87,7 +87,7 @@ cell_workers = $(if $(filter command line environment,$(origin WORKERS)),$(WORKE
 ablate: $(STAMP) ## run or resume experiments/ablations/<ABL>.yml + report: make ablate ABL=granularity [WORKERS=2] [ARGS=...]
 	$(VENV)/bin/satlab ablate $(ABL) --workers $(call cell_workers,1) $(ARGS)
 
-reproduce: $(STAMP) ## the paper's loss claim under a sequential plan, two corpora, CPU (120 cells, about 5 CPU-hours); SIZE=small|medium|large|xl: GPUs
+reproduce: $(STAMP) ## the paper's loss claim under a sequential plan, two corpora, CPU (120 cells, 4-5 CPU-hours); SIZE=small|medium|large|xl: GPUs
 	$(VENV)/bin/satlab ablate $(if $(SIZE),arch_$(SIZE),arch_tiny_sequential) --workers $(call cell_workers,$(if $(SIZE),1,2)) $(ARGS)
 
 bench: $(STAMP) ## paired throughput/memory/MFU of all architectures (SIZE=tiny, DEPTHS=6,12,24, ARGS="--compile ...")
