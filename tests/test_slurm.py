@@ -171,6 +171,43 @@ def test_a_study_task_pre_empted_mid_cell_is_requeued_and_its_cell_resumes_from_
               + ", ".join(f"{t.number} {t.state.name} {t.user_attrs.get(REASON, '')}" for t in trials))
 
 
+LIMITED_CELL_STEPS = 600
+"""A study cell of 256-token steps that outlasts the warning's 30-60 s (below) on these cores."""
+
+
+@pytest.mark.slow  # 4-7 min: two to five attempts of the task, then the same grid on one host
+def test_a_study_task_warned_of_its_time_limit_is_requeued_until_its_cell_finishes_exactly(
+        slurm, postgres, tmp_path, monkeypatch):  # noqa: F811
+    """The study script's own warning, ``--time=2 --signal=B:TERM@60``: SLURM signals the batch shell 30-60 s into
+    each attempt, the trap passes SIGTERM to the driver, the cell stops with a checkpoint, the task exits 75 and is
+    requeued, and the next attempt resumes the cell, until it finishes. The cell's MLflow history is that of a cell
+    never stopped, and its loss that of the same grid run by one driver alone."""
+    folder = slurm.submit_dir(tmp_path / "submit")
+    store = make_store(folder)
+    spec = grid_spec(folder, "limited", store, ["satformer"], LIMITED_CELL_STEPS * 256)
+    data = yaml.safe_load(spec.read_text())
+    data["overrides"]["train.ckpt_every_tokens"] = 256 * 100
+    spec.write_text(yaml.safe_dump(data))
+    url = postgres("limited")
+    job = slurm.sbatch("slurm_study.sbatch", ["--array=0-0", *CPU_STUDY, "--time=2", "--signal=B:TERM@60"], [],
+                       folder, STUDY=f"ablate {spec.name}", STORAGE=url)
+    jobs = slurm.wait_done(job, timeout=900)
+    record(slurm, "array of 1 study worker, --time=2 --signal=B:TERM@60", job)
+    assert_completed(jobs, folder)
+    assert int(jobs[0]["Restarts"]) >= 1, jobs
+    trials, by_cell = array_trials(url, spec)
+    assert all(len(ts) == 1 and ts[0].state.name == "COMPLETE" for ts in by_cell.values()), by_cell
+    assert any(t.user_attrs.get(REASON) == "interrupted" for t in trials), trials
+    client = mlflow.MlflowClient(store)
+    experiment = client.get_experiment_by_name(load_ablation(spec).experiment_name)
+    run, = client.search_runs([experiment.experiment_id], f"tags.`{CELL_TAG}` != ''")
+    logged = defaultdict(list)
+    for m in client.get_metric_history(run.info.run_id, "train/loss"):
+        logged[m.step].append(m.value)
+    assert_resumed(logged, run, LIMITED_CELL_STEPS, once=False)
+    assert cell_losses(store, spec) == pytest.approx(one_host(spec, monkeypatch), rel=1e-6)
+
+
 TRAIN_STEPS = 12
 TRAIN = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64",
