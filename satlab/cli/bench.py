@@ -247,19 +247,30 @@ def run_recall(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_model_fields(items: list[str], problems: list[str]) -> dict:
-    """``--model base_width=64 --model base_depth=3`` as {field: value}; a problem for anything else."""
+def model_field(text: str, option: str, problems: list[str]) -> tuple[str | None, str]:
+    """``FIELD=REST`` (``model.`` optional) as (field, rest); (None, rest) with a problem when no model field has
+    that name."""
     from dataclasses import fields
 
     from satlab.config.schema import ModelConfig
 
-    valid, chosen = {f.name for f in fields(ModelConfig)}, {}
+    name, _, rest = text.partition("=")
+    name = name.strip().removeprefix("model.")
+    valid = {f.name for f in fields(ModelConfig)}
+    if name not in valid:
+        problems.append(unknown_name(f"model field for {option}", name, valid))
+        return None, rest
+    return name, rest
+
+
+def parse_model_fields(items: list[str], problems: list[str]) -> dict:
+    """``--model base_width=64 --model base_depth=3`` as {field: value}; a problem for anything else."""
+    chosen = {}
     for item in items:
-        name, sep, raw = item.partition("=")
-        name = name.strip().removeprefix("model.")
-        if name not in valid:
-            problems.append(unknown_name("model field for --model", name, valid))
-        elif not sep or not raw.strip():
+        name, raw = model_field(item, "--model", problems)
+        if name is None:
+            continue
+        if "=" not in item or not raw.strip():
             problems.append(f"--model takes FIELD=VALUE, as base_width=64; got {shown(item)}")
         else:
             chosen[name] = yaml.safe_load(raw.strip())
@@ -303,22 +314,15 @@ def parse_compare(text: str | None, problems: list[str]) -> tuple[str, list] | N
     """``--compare parametrization=sp,completep`` as (field, values); a problem for anything else."""
     if text is None:
         return None
-    from dataclasses import fields
-
-    from satlab.config.schema import ModelConfig
-
-    name, _, raw = text.partition("=")
-    name = name.strip().removeprefix("model.")
+    name, raw = model_field(text, "--compare", problems)
     values = [v.strip() for v in raw.split(",") if v.strip()]
-    valid = {f.name for f in fields(ModelConfig)}
-    if name not in valid:
-        problems.append(unknown_name("model field for --compare", name, valid))
-    elif len(values) < 2 or len(set(values)) < len(values):
+    if name is None:
+        return None
+    if len(values) < 2 or len(set(values)) < len(values):
         problems.append(f"--compare needs a model field and two or more distinct values, as "
                         f"parametrization=sp,completep; got {shown(text)}")
-    else:
-        return name, [yaml.safe_load(v) for v in values]  # numbers and booleans as such
-    return None
+        return None
+    return name, [yaml.safe_load(v) for v in values]  # numbers and booleans as such
 
 
 def results_table(results, overhead: dict | None, args) -> Table:
