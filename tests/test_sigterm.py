@@ -11,15 +11,20 @@ import threading
 from collections.abc import Iterator
 
 import mlflow
+import optuna
 import pytest
+import yaml
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_resilience import args_for, losses_by_step, run_named
 
+import satlab.studies.child as child
 import satlab.training.run as run_module
 from satlab.cli.main import main
 from satlab.config.loader import load_experiment
+from satlab.studies import attrs as A
+from satlab.studies.loader import load_ablation
 from satlab.training.run import train
-from satlab.training.sigterm import SigtermWatch, watching_sigterm
+from satlab.training.sigterm import SigtermWatch, install_sigterm_watch, watching_sigterm
 from satlab.training.tracking import END_TAG
 
 SHORT = ["train.max_tokens=6144", "train.val_every_tokens=3072", "train.ckpt_every_tokens=3072", "eval.at_end=false"]
@@ -105,3 +110,41 @@ def test_the_watch_is_shared_while_installed_and_removed_after(fallback):
     thread.start()
     thread.join()
     assert seen == [None]  # Python allows no handler off the main thread: left as it was
+
+
+@pytest.mark.parametrize("when", ["after its run", "before its fit"])
+def test_a_study_trial_process_handles_sigterm_as_satlab_train_does(tmp_path, monkeypatch, fallback, when):
+    """A study's trial process (satlab/studies/child.py) under the same SIGTERM: after its run it reports the run's
+    value (exit 0, the cell done; the SLURM pre-emption test saw it killed on its way out, its finished cell marked
+    interrupted and taken again); before its fit it stops after one step with a checkpoint and exit 75 (the driver
+    records the cell interrupted, and the next attempt resumes it)."""
+    spec_file = tmp_path / "late.yml"
+    spec_file.write_text(yaml.safe_dump({"name": "late", "base": "default", "axes": {"train.seed": [0]}}))
+    spec = load_ablation(spec_file)
+    cfg = load_experiment("default", args_for(tmp_path, "trial", *SHORT, f"data.cache_dir={tmp_path / 'cache'}"))
+    trial = optuna.create_study().ask()
+    real_train, real_schedule = child.train, run_module.derive_schedule
+
+    def train_then_sigterm(*args, **kwargs):
+        result = real_train(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    def schedule_then_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_schedule(*args, **kwargs)
+
+    if when == "after its run":
+        monkeypatch.setattr(child, "train", train_then_sigterm)
+    else:
+        monkeypatch.setattr(run_module, "derive_schedule", schedule_then_sigterm)
+    code = child.train_trial(cfg, spec, trial, True, lambda reason: None, install_sigterm_watch())
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    if when == "after its run":
+        assert code == A.EXIT_COMPLETE and trial.user_attrs[A.VALUE] > 0
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # and the interpreter's exit
+        assert run_named(client, "trial").info.status == "FINISHED"
+    else:
+        assert code == A.EXIT_INTERRUPTED == 75 and A.VALUE not in trial.user_attrs
+        assert run_named(client, "trial").data.tags[END_TAG].startswith("KILLED at step 1: SIGTERM")
+        assert (tmp_path / "runs" / "trial" / "checkpoints" / "last.ckpt").exists()

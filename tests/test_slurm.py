@@ -39,7 +39,10 @@ CPU_TRAIN = ["--partition=debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-pe
              "--time=20"]
 """And instead of slurm_train.sbatch's: two tasks on the one node."""
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
-STUDY_STEPS = 16  # of a pre-empted study's cells: 256 tokens a step (tests/test_postgres.py's MICRO)
+STUDY_STEPS = 120
+"""Of a pre-empted study's cells, 256 tokens a step (tests/test_postgres.py's MICRO): seconds of training after
+the first checkpoint, so that the pre-emption lands inside the fit (at 16 steps it landed after it about one time
+in two, which hid a trial process killed on its way out)."""
 
 
 def record(cluster: Cluster, title: str, job_id: str) -> None:
@@ -135,12 +138,14 @@ def test_a_study_task_pre_empted_mid_cell_is_requeued_and_its_cell_resumes_from_
     spec = grid_spec(folder, "preempt", store, ["transformer", "satformer"], STUDY_STEPS * 256)
     url = postgres("preempt")
     job = study_array(slurm, url, spec, 2)
-    runs = folder / "runs" / "ablations" / "preempt"
+    trials_of_task_0 = folder / "studies" / "preempt" / f"task-{job}-0" / "trials"
 
-    def both_cells_checkpointed() -> bool:  # so the one task 0 trains has a checkpoint to resume from
-        return len({p.parents[1] for p in runs.glob("*/checkpoints/step*.ckpt")}) == 2
+    def task_0_checkpointed() -> bool:  # its cell's first checkpoint: something to resume from, most steps to go
+        cell = next(trials_of_task_0.glob("*.yaml"), None)
+        run = folder / "runs" / "ablations" / "preempt" / yaml.safe_load(cell.read_text())["name"] if cell else None
+        return run is not None and any((run / "checkpoints").glob("step*.ckpt"))
 
-    slurm.wait(both_cells_checkpointed, "a checkpoint in each cell", 300)
+    slurm.wait(task_0_checkpointed, "a checkpoint in task 0's cell", 300)
     assert slurm.job(f"{job}_0")["JobState"] == "RUNNING"
     slurm.run("scancel", "--batch", "--signal=TERM", f"{job}_0")
     jobs = slurm.wait_done(job, timeout=600)

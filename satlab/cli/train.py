@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from rich.table import Table
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(cfg)
         return 0
-    from satlab.training.sigterm import install_sigterm_watch
+    from satlab.training.sigterm import ignore_sigterm_from_now, install_sigterm_watch
 
     sigterm = install_sigterm_watch()  # from here on a SIGTERM is never fatal (satlab/training/sigterm.py)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -63,11 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"satlab train: stopped by SIGTERM with its state checkpointed; the same command continues it "
               f"(exit code {EXIT_REQUEUE}: requeue me)", file=sys.stderr)
         return EXIT_REQUEUE
-    if sigterm.received:
-        print("satlab train: SIGTERM arrived with no training step left to stop; the run finished (exit code 0)",
-              file=sys.stderr)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over; the interpreter's exit (seconds of C-level
-    # teardown after the summary, where no Python handler runs) is not killed by a late SIGTERM
+    ignore_sigterm_from_now(sigterm, "satlab train")  # the interpreter's exit (seconds of C-level teardown after
+    # the summary, where no Python handler runs) is not killed by a late SIGTERM
     if evaluation.last_results:
         print_evaluation(evaluation.last_results)
     return 0

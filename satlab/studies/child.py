@@ -2,7 +2,10 @@
 (under ``torchrun`` for a multi-GPU trial), where the file is the trial's resolved experiment, whose tags name the
 study and the trial. It trains like ``satlab train``, writes the outcome into the trial's user attributes and tells
 the driver how it ended by its exit code (:mod:`satlab.studies.attrs`). A process per trial means a crash, an
-out-of-memory kill or a leaked CUDA context ends one trial only.
+out-of-memory kill or a leaked CUDA context ends one trial only. SIGTERM (the driver stopping, a pre-emption) is
+handled as ``satlab train`` handles it (:mod:`satlab.training.sigterm`): it stops the training with a checkpoint
+(exit ``EXIT_INTERRUPTED``) and never kills the process outside it, so a trial whose run had just finished still
+reports its value instead of leaving a finished cell to be taken again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 import optuna
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from satlab.config.loader import load_experiment
 from satlab.config.schema import ExperimentConfig
@@ -31,6 +35,7 @@ from satlab.studies.spec import StudySpec, SweepSpec
 from satlab.studies.storage import open_storage, trial_id
 from satlab.training.launch import pid_alive
 from satlab.training.run import train
+from satlab.training.sigterm import SigtermWatch, ignore_sigterm_from_now, install_sigterm_watch
 
 
 def watch_driver(pid: int, on_lost) -> None:
@@ -62,6 +67,7 @@ def cpu_seconds() -> float:
 
 
 def run_trial(experiment: str) -> int:
+    sigterm = install_sigterm_watch()  # first: a SIGTERM while the study loads stops the fit at its first batch
     cfg = load_experiment(experiment)
     storage = open_storage(os.environ[A.STORAGE_ENV], create_tables=False)
     name = cfg.tracking.tags[STUDY_TAG]
@@ -84,14 +90,14 @@ def run_trial(experiment: str) -> int:
     if rank_zero:
         trial.set_user_attr(A.PID, os.getpid())
     try:
-        return train_trial(cfg, spec, trial, rank_zero, record)
+        return train_trial(cfg, spec, trial, rank_zero, record, sigterm)
     finally:
         if rank_zero:
             trial.set_user_attr(A.CPU_SECONDS, round(cpu_seconds(), 1))
 
 
 def train_trial(cfg: ExperimentConfig, spec: StudySpec, trial: optuna.Trial, rank_zero: bool,
-                record: Callable[[str], None]) -> int:
+                record: Callable[[str], None], sigterm: SigtermWatch) -> int:
     """Train the trial's experiment and return the exit code that tells the driver how it ended."""
     search = isinstance(spec, SweepSpec)
     metric = spec.objective.metric if search else "val/loss"
@@ -101,6 +107,9 @@ def train_trial(cfg: ExperimentConfig, spec: StudySpec, trial: optuna.Trial, ran
     callback = TrialCallback(trial if rank_zero else None, guard, evaluation, metric)
     try:
         result = train(cfg, preset=f"{spec.kind}:{spec.name}", progress=False, callbacks=[evaluation, callback])
+    except SIGTERMException:  # the checkpoint is written (CheckpointOnSigterm); the cell resumes from it
+        print(f"trial {trial.number} stopped by SIGTERM with its state checkpointed", flush=True)
+        return A.EXIT_INTERRUPTED
     except TrialStopped as stop:
         print(f"trial {trial.number} stopped: {stop}", flush=True)
         record(stop.reason)
@@ -109,6 +118,7 @@ def train_trial(cfg: ExperimentConfig, spec: StudySpec, trial: optuna.Trial, ran
         traceback.print_exc()
         record("oom" if is_oom(error) else f"error: {type(error).__name__}: {error}")
         return A.EXIT_FAILED
+    ignore_sigterm_from_now(sigterm, f"trial {trial.number}")
     value = result.final_val_loss if metric == "val/loss" and result.final_val_loss is not None \
         else callback.last_metrics.get(metric)
     if value is None:

@@ -11,12 +11,14 @@ before the time limit's warning ends FAILED. The one-node SLURM test met the sec
 honoured at the end of the fit's first batch (every rank stops at the same batch, the state checkpointed, exit 75);
 one that came after the fit changes nothing, since the final state is already on disk, and the run finishes and
 exits 0. While Lightning runs, its own handler calls this one too, which only notes it again. (The interpreter's
-exit runs no Python handler: ``satlab train`` ignores SIGTERM once its run has finished.)
+exit runs no Python handler: ``satlab train`` and a study's trial process ignore SIGTERM once their run has
+finished, :func:`ignore_sigterm_from_now`.)
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,3 +61,11 @@ def install_sigterm_watch() -> SigtermWatch:
     watch = SigtermWatch()
     signal.signal(signal.SIGTERM, watch)
     return watch
+
+
+def ignore_sigterm_from_now(watch: SigtermWatch, who: str) -> None:
+    """The run is over: a SIGTERM from here on (the process writing its outcome, the interpreter's exit) is ignored,
+    and one that came during the run's last moments, when no training step was left to stop, is said on stderr."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if watch.received:
+        print(f"{who}: SIGTERM arrived with no training step left to stop; the run finished", file=sys.stderr)
