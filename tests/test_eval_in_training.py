@@ -102,3 +102,38 @@ def test_the_run_summary_gives_the_evaluation_time_against_the_training_before_i
     assert evaluation_time_rows(SimpleNamespace(eval_seconds=None, fit_seconds=100.0)) == []
     rows = dict(evaluation_time_rows(SimpleNamespace(eval_seconds=20.0, fit_seconds=220.0)))
     assert rows == {"end-of-run evaluation": "20.0 s = 10.0 % of training (3.3 min)"}
+
+
+def test_a_run_stopped_in_its_end_of_run_evaluation_gets_it_when_resumed_and_only_once(tmp_path, monkeypatch):
+    """Its last step's checkpoint is on disk when the evaluation at the end is cut short (`make reproduce` met it: a
+    trial killed in its evaluation resumed with no step left, Lightning skipped that fit and its ``on_train_end``, and
+    the cell finished without zero-shot metrics). The resumed run evaluates; a finished run started again does not."""
+    cfg = load_experiment("default", [
+        "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.mlp_hidden=64", "data.source=kjv",
+        "data.tokenizer.kind=byte", "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=256",
+        "train.max_tokens=2048", "train.val_every_tokens=1024", "train.ckpt_every_tokens=1024", "train.val_tokens=256",
+        "eval.limit=4", "eval.tasks=[satlab_cloze_choice]", "name=cut", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.out_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ])
+    real = EvaluationCallback.end_of_run
+
+    def cut_short(self, trainer, pl_module):
+        raise RuntimeError("killed in the end-of-run evaluation")
+
+    monkeypatch.setattr(EvaluationCallback, "end_of_run", cut_short)
+    with pytest.raises(RuntimeError, match="killed in the end-of-run"):
+        train(cfg, progress=False, callbacks=[EvaluationCallback(cfg)])
+    assert (tmp_path / "runs" / "cut" / "checkpoints" / "step0000008.ckpt").exists()
+    monkeypatch.setattr(EvaluationCallback, "end_of_run", real)
+    resumed = EvaluationCallback(cfg)
+    result = train(cfg, progress=False, callbacks=[resumed])
+    client = mlflow.MlflowClient(result.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED" and resumed.end_eval_seconds is not None
+    assert "zero_shot/satlab_cloze_choice/acc" in resumed.last_results
+    assert run.data.metrics["system/eval_wall_seconds"] == pytest.approx(resumed.end_eval_seconds)
+    assert "eval/step_8/results.json" in artifact_paths(client, run.info.run_id)
+    again = EvaluationCallback(cfg)
+    train(cfg, progress=False, callbacks=[again])
+    assert again.end_eval_seconds is None  # recorded by the attempt before: not run again
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "system/eval_wall_seconds")] == [8]

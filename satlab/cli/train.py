@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_evaluation(metrics: dict[str, float]) -> None:
     """The end-of-run evaluation: suite averages, each task's primary metrics, and the gate summary."""
+    from satlab.evaluation.callback import EVAL_SECONDS
     from satlab.evaluation.gates import METRIC_PREFIX as GATES
     from satlab.evaluation.suite import METRIC_PREFIX as TASKS
 
@@ -87,8 +88,8 @@ def print_evaluation(metrics: dict[str, float]) -> None:
     console.print(table)
     times = [f"{name.removeprefix('satlab_')} {metrics[f'{TASKS}/{name}/seconds']:.1f} s" for name in FAMILIES
              if f"{TASKS}/{name}/seconds" in metrics]
-    if "system/eval_wall_seconds" in metrics:
-        console.print(f"evaluation time: {metrics['system/eval_wall_seconds']:.1f} s"
+    if EVAL_SECONDS in metrics:
+        console.print(f"evaluation time: {metrics[EVAL_SECONDS]:.1f} s"
                       + (f" (model time per task: {', '.join(times)})" if times else ""))
 
 

@@ -17,6 +17,9 @@ from satlab.evaluation.gates import GateReport, analyze_gates
 from satlab.evaluation.plots import plot_layer_means, plot_saturation
 from satlab.evaluation.suite import eval_corpus, metric_keys, run_tasks
 
+EVAL_SECONDS = "system/eval_wall_seconds"
+"""Logged at the final step once the end-of-run evaluation is done: its wall time, and the mark that it was."""
+
 
 class EvaluationCallback(L.Callback):
     """Runs on every rank (a sharded model needs all of them for its forward pass) and logs from rank 0. The lm-eval
@@ -128,12 +131,28 @@ class EvaluationCallback(L.Callback):
             self._suite(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self.end_of_run(trainer, pl_module)
+
+    def finish_skipped_fit(self, trainer, pl_module) -> None:
+        """Called by ``train`` after every fit. A run resumed from the checkpoint of its last step (its earlier attempt
+        killed after the training, in the end-of-run evaluation) has no step left: Lightning skips that fit, and
+        with it ``on_train_end``. The evaluation then runs here, unless the run's record holds it already (an
+        earlier attempt finished it: a finished run started again)."""
+        if self.end_eval_seconds is not None or not self.cfg.eval.at_end:
+            return
+        logger = trainer.logger
+        recorded = trainer.is_global_zero and hasattr(logger, "has_recorded") and \
+            logger.has_recorded(EVAL_SECONDS, trainer.global_step)
+        if not trainer.strategy.broadcast(recorded, src=0):  # every rank the same way: the gates need them all
+            self.end_of_run(trainer, pl_module)
+
+    def end_of_run(self, trainer, pl_module) -> None:
         if self.cfg.eval.at_end:
             started = time.perf_counter()
             self._gates(trainer, pl_module, artifacts=True)
             self._suite(trainer, pl_module)
             self.end_eval_seconds = time.perf_counter() - started
-            self.last_results["system/eval_wall_seconds"] = self.end_eval_seconds
+            self.last_results[EVAL_SECONDS] = self.end_eval_seconds
             if trainer.is_global_zero and self._client(trainer)[0] is not None:
-                trainer.logger.log_metrics({"system/eval_wall_seconds": self.end_eval_seconds},
+                trainer.logger.log_metrics({EVAL_SECONDS: self.end_eval_seconds},
                                            step=trainer.global_step)

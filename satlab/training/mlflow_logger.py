@@ -68,6 +68,10 @@ class ResumableMLFlowLogger(MLFlowLogger):
                                           if m.step >= self.resume_step)
         return self._recorded
 
+    def has_recorded(self, key: str, step: int) -> bool:
+        """Whether the run holds a point of ``key`` at ``step`` that an earlier attempt logged (rank 0 only)."""
+        return self._already_recorded()[(key, step)] > 0
+
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         recorded = self._already_recorded()

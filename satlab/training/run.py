@@ -299,6 +299,9 @@ def train(cfg: ExperimentConfig, preset: str = "custom", progress: bool = True,
                     f"{trainer.global_step} of {schedule.max_steps}; its state is saved in {last}: run the same "
                     f"command to continue (exit code {TimeLimitReached.exit_code})") from None
             fit_seconds = time.perf_counter() - fit_started
+            for callback in callbacks:  # a fit Lightning skipped (resumed at its last step) ran no on_train_end
+                if (finish := getattr(callback, "finish_skipped_fit", None)) is not None:
+                    finish(trainer, module)
             if module.stop_reason is not None:
                 trainer.save_checkpoint(last, weights_only=False)
                 raise TrainingStopped(f"run '{cfg.name}' stopped at step {trainer.global_step}: {module.stop_reason}; "
