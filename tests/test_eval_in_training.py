@@ -137,3 +137,5 @@ def test_a_run_stopped_in_its_end_of_run_evaluation_gets_it_when_resumed_and_onl
     train(cfg, progress=False, callbacks=[again])
     assert again.end_eval_seconds is None  # recorded by the attempt before: not run again
     assert [m.step for m in client.get_metric_history(run.info.run_id, "system/eval_wall_seconds")] == [8]
+    validated = [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")]
+    assert sorted(validated) == sorted(set(validated)), validated  # the final validation, redone, logged once

@@ -57,7 +57,10 @@ class ResumableMLFlowLogger(MLFlowLogger):
         self._recorded: Counter[tuple[str, int]] | None = None
 
     def _already_recorded(self) -> Counter[tuple[str, int]]:
-        """How many points per (key, step) the reopened run holds at or after the resume step (read once)."""
+        """How many points per (key, step) the reopened run holds from the step before the resume step on (read
+        once). A validation at step S logs at S - 1 (Lightning's logging step lags the global step there), so a run
+        resumed from the checkpoint of its last step S that validates again (its final validation: the run had
+        finished, or was stopped in its end-of-run evaluation) logs at S - 1 what the record holds already."""
         if self._recorded is None:
             self._recorded = Counter()
             self.buffer.flush(force=True)  # what an earlier process kept during an outage counts as recorded
@@ -65,7 +68,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
                 client, run_id = self.experiment, self.run_id
                 for key in client.get_run(run_id).data.metrics:
                     self._recorded.update((key, m.step) for m in client.get_metric_history(run_id, key)
-                                          if m.step >= self.resume_step)
+                                          if m.step >= self.resume_step - 1)
         return self._recorded
 
     def has_recorded(self, key: str, step: int) -> bool:
