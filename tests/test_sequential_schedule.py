@@ -44,6 +44,13 @@ def test_arms_settings_and_families():
     assert S.verdict_tag(d, *d.families[1].comparisons[0]) == \
         "verdict.sequential.data.seq_len-64.satformer_vs_transformer"
     assert S.arm_label(groups, "model.arch=satformer data.seq_len=64") == "arch=satformer, seq_len=64"
+    assert S.comparison_label(d, *d.families[1].comparisons[0]) == "satformer vs transformer (data.seq_len=64)"
+    assert S.comparison_label(study, *study.comparisons[3]) == "resformer vs transformer (data.seq_len=64)"  # one
+    # family over both settings (make reproduce's): the setting still named, else two rows read the same
+    single = S.design(spec_from_dict(AblationSpec, {"name": "one", "axes": {"model.arch": ARCHS, "train.seed": [0]},
+                                                    "baseline": {"model.arch": "transformer"},
+                                                    "sequential": {"looks": [3], "compare": "model.arch"}}))
+    assert S.comparison_label(single, *single.comparisons[0]) == "satformer vs transformer"
 
 
 def test_the_first_look_queues_n1_seeds_of_every_arm_and_nothing_more():

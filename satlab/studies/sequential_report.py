@@ -36,6 +36,7 @@ def sequential_summary(spec: AblationSpec, client: mlflow.MlflowClient, parent_r
         for v in found:
             last = v.records[-1] if v.records else None
             verdicts.append({"tag": S.verdict_tag(design, v.a, v.b), "outcome": S.TAG_OUTCOME[v.outcome],
+                             "label": S.comparison_label(design, v.a, v.b),
                              "family": family.name, "a": S.arm_label(design, v.a), "b": S.arm_label(design, v.b),
                              "pair": v.name, "decision": v.outcome, "stopped_at": v.stopped_at, "seeds": v.seeds,
                              "mean": None if last is None else last.mean,
@@ -83,7 +84,7 @@ def sequential_section(spec: AblationSpec, summary: Mapping[str, Any]) -> list[s
     for v in summary["verdicts"]:
         text = OUTCOME_TEXT[v["decision"]].format(a=v["a"], b=v["b"], margin=plan.margin or 0)
         stop = f"{v['stopped_at']} ({v['seeds']})" if v["stopped_at"] else f"not yet ({v['seeds']} seeds so far)"
-        rows.append([f"{v['a']} vs {v['b']}" + (f" ({v['family']})" if v["family"] else ""), text, stop,
+        rows.append([v["label"], text, stop,
                      "—" if v["mean"] is None else _number(v["mean"]), "—" if v["rci"] is None else _number(v["rci"])])
     lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), "",
               "Differences are positive when the first arm is better. The repeated confidence interval holds at "
@@ -94,7 +95,7 @@ def sequential_section(spec: AblationSpec, summary: Mapping[str, Any]) -> list[s
     equivalent = [v for v in summary["verdicts"] if v["decision"] == "equivalent" and v["seeds"] < plan.schedule[-1]]
     for found, note in ((early, EARLY_STOP_NOTE), (equivalent, EQUIVALENCE_NOTE)):
         if found:
-            names = ", ".join(f"{v['a']} vs {v['b']}" for v in found)
+            names = ", ".join(v["label"] for v in found)
             lines += [f"- {names}: {note}."]
     lines += [""] if early or equivalent else []
     if summary["looks"]:

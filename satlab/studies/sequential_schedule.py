@@ -200,6 +200,14 @@ def arm_label(design: Design, arm: str) -> str:
         else format_value(values[varying[0]]) if varying else arm
 
 
+def comparison_label(design: Design, a: str, b: str) -> str:
+    """``satformer vs transformer``, with the setting after it when there are several
+    (``satformer vs transformer (data.source=kjv)``): one study family can hold the same pair of arms per setting."""
+    setting = design.settings[a]
+    where = f" ({setting})" if setting and len(set(design.settings.values())) > 1 else ""
+    return f"{arm_label(design, a)} vs {arm_label(design, b)}{where}"
+
+
 def verdict_tag(design: Design, a: str, b: str) -> str:
     """``verdict.sequential.satformer_vs_transformer``, with the setting first when there are several
     (``verdict.sequential.layout-separated.satformer_vs_transformer``)."""
