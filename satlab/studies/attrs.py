@@ -34,7 +34,7 @@ SEQUENTIAL_LOOKS = "sequential_looks"  # its looks' rows, appended
 SUPERSEDED = "superseded_trials"  # grid trials that no longer count for their cell: it was queued again
 
 EXIT_COMPLETE, EXIT_PRUNED, EXIT_FAILED, EXIT_WORKER_LOST = 0, 3, 4, 5
-EXIT_INTERRUPTED = EXIT_REQUEUE  # stopped by SIGTERM with its state checkpointed: the cell resumes, not fails
 """Exit codes of a trial process; anything else, or a signal, is a crash the driver describes from the log."""
+EXIT_INTERRUPTED = EXIT_REQUEUE  # stopped by SIGTERM with its state checkpointed: the cell resumes, not fails
 STORAGE_ENV = "SATLAB_STUDY_STORAGE"  # the storage URL (not argv: it may hold a password)
 DRIVER_ENV = "SATLAB_STUDY_DRIVER"  # the driver's pid: the trial ends when it is gone
