@@ -183,6 +183,45 @@ def test_the_command_writes_its_files_and_an_mlflow_run(tmp_path, monkeypatch, c
     assert run.data.tags["coord.satformer.verdict"] == "PASS"
 
 
+def test_a_check_killed_part_way_resumes_at_the_first_model_it_had_not_finished(tmp_path, monkeypatch, capsys):
+    import satlab.bench.coord as coord
+
+    args = ["coord", "--archs", "transformer", "--widths", "32,64", "--depths", "1,2", "--steps", "3", "--seeds", "0,1",
+            "--no-mlflow"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "coord.json").read_text())
+    real, calls = coord.measure, []
+
+    def killed_after(n):
+        def measure(*a, **k):
+            calls.append(a[0].model.d_model)
+            if len(calls) > n:
+                raise KeyboardInterrupt  # as a kill would stop it
+            return real(*a, **k)
+        return measure
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(coord, "measure", killed_after(3))
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(out)])
+    assert len(list((out / "measurements").glob("*.json"))) == 3 and not (out / "coord.json").exists()
+    calls.clear()
+    monkeypatch.setattr(coord, "measure", killed_after(100))
+    assert main([*args, "--out", str(out), "--dry-run"]) == 0
+    assert "3 of 8 already measured in --out and reused" in " ".join(capsys.readouterr().out.split())
+    assert main([*args, "--out", str(out)]) == 0
+    assert len(calls) == 5  # 8 models x seeds, 3 of them kept by the killed run
+    resumed = json.loads((out / "coord.json").read_text())
+    for report in (whole, resumed):
+        report.pop("seconds")
+        for series in report["archs"]["transformer"]["series"].values():
+            series.pop("seconds")
+    assert resumed == whole
+    calls.clear()  # other settings measure anew: nothing kept under them is read
+    assert main([*args, "--steps", "4", "--out", str(out)]) == 0  # the last --steps counts
+    assert len(calls) == 8
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--archs", "transfomer"], "did you mean 'transformer'"),
     (["--widths", "64"], "--widths takes at least two distinct"),

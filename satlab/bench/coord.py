@@ -13,10 +13,14 @@ probes and how to read the numbers.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -254,6 +258,32 @@ def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, 
     return Measurement(rms, losses, time.perf_counter() - start, params)
 
 
+def stored_path(store: Path, shape: Shape, seed: int, settings: CoordSettings) -> Path:
+    """Where one shape's measurement at one seed is kept: named by the shape and seed, and by a hash of every setting
+    that changes what is measured (steps, the batch, the head dim, the overrides), so a run with other settings
+    never reads it."""
+    measured_by = {"shape": asdict(shape), "seed": seed, "steps": settings.steps, "batch": settings.batch,
+                   "seq_len": settings.seq_len, "head_dim": settings.head_dim, "overrides": settings.overrides}
+    digest = hashlib.sha256(json.dumps(measured_by, sort_keys=True).encode()).hexdigest()[:12]
+    return store / f"{shape.arch}-{shape.series}-w{shape.width}-d{shape.depth}-seed{seed}-{digest}.json"
+
+
+def measure_stored(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
+                   path: Path | None) -> tuple[Measurement, bool]:
+    """:func:`measure`, kept at ``path`` once done (written whole, then renamed) and read back instead of measured
+    when it is there: a check killed part way resumes at the first model it had not finished. (measurement, read
+    back?); ``path`` None measures without keeping."""
+    if path is not None and path.exists():
+        return Measurement(**json.loads(path.read_text())), True
+    measurement = measure(cfg, inputs, targets, steps)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(measurement)))  # NaN kept as NaN: Python's json reads it back
+        os.replace(partial, path)
+    return measurement, False
+
+
 def seed_mean(measured: Sequence[Measurement]) -> Measurement:
     """One shape's measurements over seeds as one: per probe and step the geometric mean of the RMS (a slope of
     log RMS is then the mean of the seeds' slopes), the mean loss, the summed time. A value missing or not positive
@@ -317,8 +347,10 @@ def verdict(param: str, width: dict | None, depth: dict | None) -> dict:
 
 
 def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print,
-                prepare: Callable[[nn.Module], None] | None = None) -> dict:
-    """Measure every shape, fit the slopes and judge each architecture; the report as plain data (coord.json)."""
+                prepare: Callable[[nn.Module], None] | None = None, store: Path | None = None) -> dict:
+    """Measure every shape, fit the slopes and judge each architecture; the report as plain data (coord.json).
+    With ``store`` each measurement is kept there as it finishes and reused by a later call with the same settings
+    (not with ``prepare``, which alters the models)."""
     torch.set_num_threads(1)
     inputs, targets = token_batch(settings.batch, settings.seq_len)
     report: dict = {"settings": asdict(settings), "thresholds": {
@@ -331,14 +363,21 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
             runs = [s for s in shapes(settings) if s.arch == arch and s.series == series]
             measured = []
             for shape in runs:
-                seeds = []
+                seeds, reused = [], 0
                 for seed in settings.seeds:
                     cfg = shape_config(shape, settings, seed)
                     entry["parametrization"] = report["parametrization"] = parametrization(cfg)
-                    seeds.append(measure(cfg, inputs, targets, settings.steps, prepare))
+                    if prepare is not None:
+                        seeds.append(measure(cfg, inputs, targets, settings.steps, prepare))
+                        continue
+                    path = None if store is None else stored_path(store, shape, seed, settings)
+                    measurement, read_back = measure_stored(cfg, inputs, targets, settings.steps, path)
+                    seeds.append(measurement)
+                    reused += read_back
                 m = seed_mean(seeds)
                 progress(f"{arch} width {shape.width} depth {shape.depth}: {m.params / 1e6:.2f}M params, "
-                         f"{len(seeds)} seed(s) in {m.seconds:.1f} s, loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}")
+                         f"{len(seeds)} seed(s) in {m.seconds:.1f} s, loss {m.losses[0]:.3f} -> {m.losses[-1]:.3f}"
+                         + (f" ({reused} measured by an earlier run)" if reused else ""))
                 measured.append(m)
             xs = [s.x for s in runs]
             slopes = series_slopes(xs, [m.rms for m in measured])
@@ -353,9 +392,10 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
     return report
 
 
-def plan(settings: CoordSettings) -> list[dict]:
+def plan(settings: CoordSettings, store: Path | None = None) -> list[dict]:
     """What the check would build, without training: per shape its sizes, parameter count (built on the meta
-    device) and estimated seconds (:data:`SECONDS_PER_GFLOP`, :data:`SECONDS_PER_LAYER_STEP`)."""
+    device), how many of its seeds ``store`` already holds, and the estimated seconds of the rest
+    (:data:`SECONDS_PER_GFLOP`, :data:`SECONDS_PER_LAYER_STEP`)."""
     from satlab.models import build_model
 
     rows = []
@@ -366,7 +406,9 @@ def plan(settings: CoordSettings) -> list[dict]:
         tokens = settings.batch * settings.seq_len
         gflop = (6 * settings.steps + 2) * params * tokens / 1e9
         seconds = gflop * SECONDS_PER_GFLOP + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP
+        kept = 0 if store is None else sum(stored_path(store, shape, seed, settings).exists()
+                                           for seed in settings.seeds)
         rows.append({**asdict(shape), "heads": cfg.model.n_heads, "mlp_hidden": cfg.model.mlp_hidden,
-                     "params": params, "parametrization": parametrization(cfg),
-                     "estimated_seconds": seconds * len(settings.seeds)})
+                     "params": params, "parametrization": parametrization(cfg), "kept": kept,
+                     "estimated_seconds": seconds * (len(settings.seeds) - kept)})
     return rows

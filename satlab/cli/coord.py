@@ -24,6 +24,9 @@ from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.console import console as make_console
 
+MEASUREMENTS = "measurements"
+"""The folder under ``--out`` where each model's measurement is kept as it finishes; a rerun with the same settings
+reuses them, so a killed check resumes."""
 DEFAULTS = {"widths": ",".join(map(str, DEFAULT_WIDTHS)), "depths": ",".join(map(str, DEFAULT_DEPTHS))}
 
 
@@ -108,16 +111,17 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
 def run(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     console = make_console()
+    out = Path(args.out)
     if args.dry_run:
         from satlab.bench.coord import plan
 
-        console.print(plan_table(plan(settings), settings))
+        console.print(plan_table(plan(settings, out / MEASUREMENTS), settings))
         return 0
     from satlab.bench.coord import coord_check
     from satlab.bench.coord_report import log_to_mlflow, write_outputs
 
-    report = coord_check(settings, progress=lambda line: console.print(line, highlight=False))
-    out = Path(args.out)
+    report = coord_check(settings, progress=lambda line: console.print(line, highlight=False),
+                         store=out / MEASUREMENTS)
     paths = write_outputs(report, out)
     console.print(verdict_table(report))
     print(f"wrote {', '.join(str(p) for p in paths)}")
@@ -127,17 +131,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_table(rows: list[dict], settings: CoordSettings) -> Table:
-    total = sum(r["estimated_seconds"] for r in rows)
+    total, kept = sum(r["estimated_seconds"] for r in rows), sum(r["kept"] for r in rows)
+    reused = f", {kept} of {len(rows) * len(settings.seeds)} already measured in --out and reused" if kept else ""
     table = Table(title=f"coordinate check plan: {len(rows)} models x {len(settings.seeds)} seed(s), "
                         f"{settings.steps} steps each on a batch of "
                         f"{settings.batch} x {settings.seq_len} byte tokens, one CPU thread, fp32 "
-                        f"(estimated {total / 60:.1f} min)")
-    for column in ("arch", "series", "width", "depth", "heads", "mlp", "params", "param.", "est. s"):
+                        f"(estimated {total / 60:.1f} min{reused})")
+    for column in ("arch", "series", "width", "depth", "heads", "mlp", "params", "param.", "kept", "est. s"):
         table.add_column(column, justify="left" if column in ("arch", "series") else "right")
     for r in rows:
         table.add_row(r["arch"], r["series"], str(r["width"]), str(r["depth"]), str(r["heads"]),
                       str(r["mlp_hidden"]), f"{r['params'] / 1e6:.2f}M", r["parametrization"],
-                      f"{r['estimated_seconds']:.1f}")
+                      str(r["kept"]), f"{r['estimated_seconds']:.1f}")
     return table
 
 
