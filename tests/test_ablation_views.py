@@ -236,3 +236,51 @@ def test_the_loss_curves_keep_every_point_they_draw_in_the_frame() -> None:
     assert low <= points[:, 1].min() and points[:, 1].max() <= high  # nothing clipped
     assert points[:, 1].max() == pytest.approx(6.5 + 0.2 + 0.05)  # the first trained point of the highest seed
     plt.close(figure)
+
+
+def recall_groups(spec: AblationSpec, accuracy: Callable[[dict], float]) -> list[GroupResult]:
+    groups: dict[str, GroupResult] = {}
+    for cell in spec.cells():
+        group = groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, 3))
+        group.cells.append(CellResult(cell, cell.slug, {"recall_acc": accuracy(dict(cell.values))}, None, []))
+    return list(groups.values())
+
+
+def plan_verdict(layout: str, a: str, b: str, outcome: str, stopped_at: int | None = 1) -> dict[str, Any]:
+    """One verdict of a sequential summary as the report's summary.json has it."""
+    return {"arms": [{"data.mqar.layout": layout, "model.arch": a}, {"data.mqar.layout": layout, "model.arch": b}],
+            "a": a, "b": b, "outcome": outcome, "stopped_at": stopped_at, "seeds": 8, "mean": 0.3, "rci": [0.1, 0.5]}
+
+
+@pytest.mark.parametrize("measure", ["recall/acc", "recall/steps_to_bind"])
+def test_with_a_sequential_plan_the_claims_follow_its_verdicts_not_a_fixed_number_test(measure) -> None:
+    """The data say SATFormer wins everywhere by far (a fixed-number test would call every claim held); the plan's
+    verdicts say otherwise, and the claims follow them: on the plan's measure a step decided against SATFormer
+    contradicts, an open step leaves it not resolved, and a claim on another measure is not resolved by any test."""
+    spec = spec_from_dict(AblationSpec, {
+        "name": "recall-seq", "base": "recall/mqar", "baseline": {"model.arch": "satformer"},
+        "axes": {"data.mqar.layout": ["adjacent", "separated"],
+                 "model.arch": ["transformer", "resformer", "satformer"], "train.seed": [0, 1, 2]},
+        "sequential": {"looks": [3], "measure": measure, "better": "higher" if measure == "recall/acc" else "lower",
+                       "compare": "model.arch"}})
+    groups = recall_groups(spec, lambda v: (0.95 if v["model.arch"] == "satformer" else 0.1) + 0.001 * v["train.seed"])
+    assert {v.outcome for v in paper_verdicts(spec, groups, RECALL_MEASURES)} == {"held"}  # without the plan
+    plan = {"verdicts": [plan_verdict("adjacent", "resformer", "satformer", "a_better"),
+                         plan_verdict("adjacent", "transformer", "satformer", "b_better"),
+                         plan_verdict("separated", "resformer", "satformer", "undecided", 3),
+                         plan_verdict("separated", "transformer", "satformer", "open", None)]}
+    verdicts = {v.key: v for v in paper_verdicts(spec, groups, RECALL_MEASURES, plan)}
+    assert set(verdicts) == {f"recall_vs_{a}.layout-{layout}" for a in ("transformer", "resformer")
+                             for layout in ("adjacent", "separated")}
+    if measure != "recall/acc":
+        assert {v.outcome for v in verdicts.values()} == {"not resolved"}
+        assert all("this claim is on another measure" in v.detail for v in verdicts.values())
+        return
+    outcomes = {key: v.outcome for key, v in verdicts.items()}
+    assert outcomes == {"recall_vs_resformer.layout-adjacent": "contradicted",
+                        "recall_vs_transformer.layout-adjacent": "held",
+                        "recall_vs_resformer.layout-separated": "not resolved",
+                        "recall_vs_transformer.layout-separated": "not resolved"}
+    assert "ResFormer vs SATFormer: ResFormer better (8 seeds, look 1, mean difference +0.3, positive when ResFormer " \
+           "is better, repeated CI [0.1, 0.5])" in verdicts["recall_vs_resformer.layout-adjacent"].detail
+    assert "Transformer vs SATFormer: open (8 seeds," in verdicts["recall_vs_transformer.layout-separated"].detail

@@ -6,7 +6,7 @@ claims whose architectures the ablation has are made."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import mlflow
@@ -47,6 +47,11 @@ def by_seed(group: GroupResult | None, column: str) -> dict:
 def point_label(group: GroupResult) -> str:
     """The group's values on the axes other than the architecture, e.g. ``source=kjv``."""
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={format_value(v)}" for k, v in group.values.items() if k != "model.arch")
+
+
+def point_values(group: GroupResult) -> dict[str, object]:
+    """The group's values on the axes other than the architecture."""
+    return {k: v for k, v in group.values.items() if k != "model.arch"}
 
 
 def loss_orders(groups: Sequence[GroupResult]) -> dict[str, dict[str, list[str]]]:
@@ -90,11 +95,15 @@ def budget_comparison(spec: AblationSpec, client: mlflow.MlflowClient,
 class Claim:
     """One of the paper's claims at one point of the other axes: ``key`` names it where its sentence cannot (the
     parent run's tag ``verdict.<key>``), ``subjects`` are the architectures it is about, ``check`` gives its
-    undecided verdict."""
+    undecided verdict. ``column`` (the measure), ``steps`` (each ``(better, worse)`` pair it asserts) and ``point``
+    (its values on the other axes; None when pooled over them) let a sequential plan's verdicts decide it instead."""
 
     key: str
     subjects: tuple[str, ...]
     check: Callable[[], Verdict]
+    column: str = ""
+    steps: tuple[tuple[str, str], ...] = ()
+    point: Mapping[str, object] | None = None
 
 
 def claim_key(name: str, point: str) -> str:
@@ -102,13 +111,22 @@ def claim_key(name: str, point: str) -> str:
     return f"{name}.{mlflow_name(point)}" if point else name
 
 
-def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures) -> list[Verdict]:
+def paper_verdicts(spec: AblationSpec, groups: Sequence[GroupResult], measures: Measures,
+                   sequential: Mapping[str, object] | None = None) -> list[Verdict]:
     """The paper's claims on the architecture groups (:func:`loss_claims`, :func:`recall_claims`) that are about
-    architectures this ablation has, checked; Holm's correction runs over all of them together."""
+    architectures this ablation has, checked; Holm's correction runs over all of them together. With a sequential
+    plan (its report summary, :func:`satlab.studies.sequential_report.sequential_summary`) the plan's verdicts
+    decide them instead (:func:`sequential_verdict`)."""
     if "model.arch" not in spec.group_axes():
         return []
     claims = recall_claims(groups) if measures is RECALL_MEASURES else loss_claims(groups)
-    return checked(claims, {g.values["model.arch"] for g in groups})
+    archs = {g.values["model.arch"] for g in groups}
+    if sequential is None:
+        return checked(claims, archs)
+    column = next((c.name for c in measures.columns if c.reduce == "last" and c.key == spec.sequential.measure), None)
+    outcomes = arch_outcomes(sequential)
+    return [sequential_verdict(claim, outcomes, column, spec.sequential.measure) for claim in claims
+            if len(archs) > 1 and archs.issuperset(claim.subjects)]
 
 
 def checked(claims: Sequence[Claim], archs: set[str]) -> list[Verdict]:
@@ -124,6 +142,67 @@ def checked(claims: Sequence[Claim], archs: set[str]) -> list[Verdict]:
     return decide_all(verdicts)
 
 
+def point_key(values: Mapping[str, object]) -> frozenset[tuple[str, str]]:
+    """A point of the axes other than the architecture, comparable across groups and sequential arms."""
+    return frozenset((k, format_value(v)) for k, v in values.items() if k != "model.arch")
+
+
+def arch_outcomes(sequential: Mapping[str, object]) -> dict[tuple, dict]:
+    """The sequential verdicts between two architectures at one point, by ``(point, arch a, arch b)``."""
+    found = {}
+    for v in sequential["verdicts"]:
+        a, b = v["arms"]
+        if point_key(a) == point_key(b) and a.get("model.arch") != b.get("model.arch"):
+            found[(point_key(a), a["model.arch"], b["model.arch"])] = v
+    return found
+
+
+OUTSIDE_PLAN = ("Not decided by a test: the study's seeds were chosen by its sequential plan, so a fixed-number test "
+                "on them has no stated error rate. The plan compares {measure} per setting; {why}")
+
+
+def step_text(v: Mapping, arms: tuple[str, str], winner: str | None, names: Mapping[str, str]) -> str:
+    """One step of a claim as the plan decided it: ``ResFormer vs SATFormer: ResFormer better (8 seeds, look 1,
+    mean difference +0.692, positive when ResFormer is better, repeated CI [0.494, 0.89])``."""
+    a, b = (names.get(arm, arm) for arm in arms)
+    found = f"{names.get(winner, winner)} better" if winner else v["outcome"]
+    details = [f"{v['seeds']} seeds"] + ([f"look {v['stopped_at']}"] if v["stopped_at"] else []) \
+        + ([f"mean difference {v['mean']:+.3g}, positive when {a} is better"] if v["mean"] is not None else []) \
+        + ([f"repeated CI [{v['rci'][0]:.3g}, {v['rci'][1]:.3g}]"] if v["rci"] is not None else [])
+    return f"{a} vs {b}: {found} ({', '.join(details)})"
+
+
+def sequential_verdict(claim: Claim, outcomes: Mapping[tuple, dict], column: str | None, measure: str) -> Verdict:
+    """The claim decided by the sequential plan's verdicts on its steps: held when every step was decided in the
+    claimed direction, contradicted when one was decided the other way, else not resolved. A claim on another
+    measure, pooled over settings, or with a step the plan does not compare, is not resolved, and says why (a
+    claim whose architectures all sit at chance keeps that finding: it is no test)."""
+    fixed = claim.check()  # its sentence, and whether every architecture is at chance
+    names = arch_names()
+    found = [(better, worse, outcomes.get((point_key(claim.point), better, worse)),
+              outcomes.get((point_key(claim.point), worse, better))) for better, worse in claim.steps] \
+        if claim.point is not None else []
+    if fixed.outcome in ("not measurable at this scale", "could not be checked"):
+        verdict = fixed
+    elif claim.point is None or claim.column != column or not claim.steps or \
+            any(ab is None and ba is None for _, _, ab, ba in found):
+        why = ("this claim pools them." if claim.point is None else
+               "this claim is on another measure." if claim.column != column else
+               "not every step of this claim is one of its comparisons.")
+        verdict = Verdict(fixed.claim, "not resolved", OUTSIDE_PLAN.format(measure=measure, why=why))
+    else:
+        won, lost, texts = 0, 0, []
+        for better, worse, ab, ba in found:
+            v, arms = (ab, (better, worse)) if ab else (ba, (worse, better))  # the plan's pair, in its order
+            winner = {"a_better": arms[0], "b_better": arms[1]}.get(v["outcome"])
+            won, lost = won + (winner == better), lost + (winner == worse)
+            texts.append(step_text(v, arms, winner, names))
+        outcome = "held" if won == len(found) else "contradicted" if lost else "not resolved"
+        verdict = Verdict(fixed.claim, outcome, f"From the sequential plan's verdicts: {'; '.join(texts)}.")
+    verdict.key = claim.key
+    return verdict
+
+
 def recall_claims(groups: Sequence[GroupResult]) -> list[Claim]:
     """"SATFormer retrieves better" than each reference architecture, at every point of the other axes (the
     difficulties)."""
@@ -137,7 +216,8 @@ def recall_claims(groups: Sequence[GroupResult]) -> list[Claim]:
                 return best_verdict(samples, "satformer", f"SATFormer retrieves better than {arch_names()[arch]} "
                                     f"(held-out accuracy, {where})", labels=arch_names())
 
-            claims.append(Claim(claim_key(f"recall_vs_{arch}", point), ("satformer", arch), check))
+            claims.append(Claim(claim_key(f"recall_vs_{arch}", point), ("satformer", arch), check, "recall_acc",
+                                (("satformer", arch),), point_values(group)))
     return claims
 
 
@@ -149,21 +229,27 @@ def loss_claims(groups: Sequence[GroupResult]) -> list[Claim]:
         points.setdefault(point_label(group), {})[group.values["model.arch"]] = group
     retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
 
-    def claims(samples: Callable[[str], dict[str, dict]], where: str, point: str) -> list[Claim]:
+    def claims(samples: Callable[[str], dict[str, dict]], where: str, point: str, archs: Sequence[str],
+               values: Mapping[str, object] | None) -> list[Claim]:
+        order = tuple(zip(CLAIMED_LOSS_ORDER, CLAIMED_LOSS_ORDER[1:], strict=False))
         return [Claim(claim_key("loss_order", point), CLAIMED_LOSS_ORDER, lambda: ordering_verdict(
                     samples("val_loss"), list(CLAIMED_LOSS_ORDER),
-                    f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names())),
+                    f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names()),
+                      "val_loss", order, values),
                 Claim(claim_key("retrieval_best", point), ("satformer",), lambda: best_verdict(
                     samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
-                    labels=arch_names(), chance=retrieval_chance))]
+                    labels=arch_names(), chance=retrieval_chance),
+                      "retrieval", tuple(("satformer", a) for a in archs if a != "satformer"), values)]
 
     found = []
     for point, by_arch in points.items():
         found += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
-                        f" ({point})" if point else "", point)
+                        f" ({point})" if point else "", point, list(by_arch),
+                        point_values(next(iter(by_arch.values()))))
     if len(points) > 1:  # pooled: a cell is paired with the cell of the same point and seed
+        archs = sorted({a for by_arch in points.values() for a in by_arch})
         found += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
                                                for seed, value in by_seed(by_arch.get(arch), column).items()}
-                                        for arch in {a for by_arch in points.values() for a in by_arch}},
-                        " (pooled over " + "; ".join(points) + ")", "pooled")
+                                        for arch in archs},
+                        " (pooled over " + "; ".join(points) + ")", "pooled", archs, None)
     return found

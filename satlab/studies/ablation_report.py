@@ -241,7 +241,6 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     groups = collect(spec, client, parent_run_id, measures)
     labels = group_labels(spec, groups)
     rows = results_table(spec, groups, labels, measures)
-    verdicts = paper_verdicts(spec, groups, measures)
     matched = matched_token_rows(groups, labels, measures)
     orders = loss_orders(groups) if measures is not RECALL_MEASURES else {}
     budgets = budget_comparison(spec, client, orders) if spec.compare_with and orders else None
@@ -258,6 +257,7 @@ def write_report(spec: AblationSpec, client: mlflow.MlflowClient, parent_run_id:
     if spec.saturation.threshold is not None:  # the cells ran with an observing guard: judge it
         saturation_lines, saturation = saturation_section(spec, client, parent_run_id)
     sequential = sequential_summary(spec, client, parent_run_id) if spec.sequential.enabled else None
+    verdicts = paper_verdicts(spec, groups, measures, sequential)
     compute = compute_used(cell_runs(client, parent_run_id))
     text = render_markdown(spec, groups, rows, verdicts, files, parent_run_id, client.tracking_uri, measures,
                            matched, orders, budgets, [*(sequential_section(spec, sequential) if sequential else []),
@@ -339,7 +339,15 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "peak; gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run "
                   "logged (e.g. evaluation not run, or no gates).", ""]
     lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), "", *bind]
-    if verdicts:
+    if verdicts and wanted is not None:  # a sequential plan chose the seeds: its verdicts decide the claims
+        lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
+                  "Decided by the sequential plan's verdicts (section \"Sequential plan\"), at its stated error rate: "
+                  "**held**: every step of the claim decided in the claimed direction; **contradicted**: a step "
+                  "decided the other way; **not resolved**: neither, or the claim is not one the plan tests (no "
+                  "fixed-number test is made on seeds that a sequential plan chose); **not measurable at this "
+                  "scale**: every architecture within noise of the metric's chance level. They hold for this "
+                  "ablation's model size and token budget only.", ""]
+    elif verdicts:
         lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
                   "**held**: the claimed order, every step of it significant; **contradicted**: a step significantly "
                   "the other way; **not resolved**: neither, with the minimum detectable difference at 80 % power "

@@ -38,6 +38,7 @@ def sequential_summary(spec: AblationSpec, client: mlflow.MlflowClient, parent_r
             verdicts.append({"tag": S.verdict_tag(design, v.a, v.b), "outcome": S.TAG_OUTCOME[v.outcome],
                              "label": S.comparison_label(design, v.a, v.b),
                              "family": family.name, "a": S.arm_label(design, v.a), "b": S.arm_label(design, v.b),
+                             "arms": [design.arms[v.a], design.arms[v.b]],
                              "pair": v.name, "decision": v.outcome, "stopped_at": v.stopped_at, "seeds": v.seeds,
                              "mean": None if last is None else last.mean,
                              "rci": None if last is None else list(last.rci)})
