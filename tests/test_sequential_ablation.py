@@ -72,8 +72,9 @@ def test_a_sequential_ablation_runs_look_by_look_records_every_look_and_resumes(
     assert parent.data.tags[TAG] == S.TAG_OUTCOME[rows[-1]["decision"]]
     assert json.loads(Path(client.download_artifacts(result.parent_run_id, LOOKS_JSON, str(tmp_path))).read_text()) \
         == rows
-    assert len(Path(client.download_artifacts(result.parent_run_id, LOOKS_CSV, str(tmp_path))).read_text()
-               .splitlines()) == len(rows) + 1
+    table = Path(client.download_artifacts(result.parent_run_id, LOOKS_CSV, str(tmp_path))).read_text().splitlines()
+    assert len(table) == len(rows) + 1
+    assert table[0].startswith("pair,look,seeds,decision,t,critical,mean,rci,family,")  # what a preview shows first
     summary = json.loads(result.report["summary"].read_text())["sequential"]
     assert summary["verdicts"][0]["stopped_at"] == rows[-1]["look"] and summary["looks"] == rows
     markdown = result.report["markdown"].read_text()

@@ -158,3 +158,15 @@ def test_the_runs_table_says_which_missing_cells_the_plan_did_not_need():
     assert len(rows) == len(spec.cells()) and len(wanted) == 18
     assert all(("not finished" in rows[k]) == (k in wanted) for k in rows)
     assert all(("not needed by the sequential plan" in rows[k]) == (k not in wanted) for k in rows)
+
+
+def test_the_looks_table_shows_the_comparison_and_its_decision_first():
+    from satlab.studies.sequential_looks import rows_csv
+
+    rows = [{"family": "f", "entry": 1, "pair": "a vs b", "look": 1, "seeds": 3, "mean": 0.1, "se": 0.05, "t": 2.0,
+             "critical": 3.0, "z_boundary": 2.4, "nominal": 0.01, "alpha": 0.05, "rci": [-0.1, 0.3],
+             "decision": "continue", "note": "", "sign_flip_p": 0.25}]
+    header, row = rows_csv(rows).splitlines()
+    assert header == ("pair,look,seeds,decision,t,critical,mean,rci,family,entry,se,z_boundary,nominal,alpha,note,"
+                      "sign_flip_p")
+    assert row.startswith('a vs b,1,3,continue,2.0,3.0,0.1,"[-0.1, 0.3]",f,1,')

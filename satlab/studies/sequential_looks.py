@@ -184,8 +184,14 @@ def append_rows(study: optuna.Study, client: mlflow.MlflowClient, parent_id: str
     client.log_text(parent_id, rows_csv(rows), LOOKS_CSV)
 
 
+CSV_FIRST = ("pair", "look", "seeds", "decision", "t", "critical", "mean", "rci")
+"""The looks table's first columns: a viewer that shows a few columns at a time (MLflow's artifact preview) shows
+which comparison, at which look, what was decided and why; the rest (family, boundaries, alpha...) follow."""
+
+
 def rows_csv(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    found = list(dict.fromkeys(k for row in rows for k in row))
+    columns = [k for k in CSV_FIRST if k in found] + [k for k in found if k not in CSV_FIRST]
     out = io.StringIO()
     writer = csv.DictWriter(out, columns, lineterminator="\n")
     writer.writeheader()
