@@ -170,3 +170,28 @@ def test_the_looks_table_shows_the_comparison_and_its_decision_first():
     assert header == ("pair,look,seeds,decision,t,critical,mean,rci,family,entry,se,z_boundary,nominal,alpha,note,"
                       "sign_flip_p")
     assert row.startswith('a vs b,1,3,continue,2.0,3.0,0.1,"[-0.1, 0.3]",f,1,')
+
+
+def test_the_claims_legend_names_the_test_that_decided_them():
+    """Under a sequential plan the claims are the plan's verdicts, so the legend must not describe the fixed-number
+    t-test and Holm correction that were not made; without a plan it must."""
+    from satlab.studies.ablation_report import render_markdown
+    from satlab.studies.results import measures_for
+    from satlab.studies.stats import Verdict
+
+    spec = make_spec(compare="model.arch")
+    claim = [Verdict("SATFormer beats the Transformer", "not resolved", "open at look 1.")]
+
+    def legend(wanted: set[str] | None) -> str:
+        text = render_markdown(spec, [], [["cell"]], claim, {}, "run", "sqlite://", measures_for(spec), [], {}, None,
+                               wanted=wanted)
+        section = text.split("## The paper's claims at this scale", 1)[1]
+        assert "- SATFormer beats the Transformer: **not resolved**. open at look 1." in section
+        return section.split("\n\n")[2]
+
+    sequential, fixed = legend(set()), legend(None)
+    assert sequential.startswith("Decided by the sequential plan's verdicts") and "Holm" not in sequential
+    assert fixed.startswith("**held**: the claimed order") and "after Holm's correction" in fixed
+    for text in (sequential, fixed):
+        assert "**not measurable at this scale**" in text
+        assert text.endswith("They hold for this ablation's model size and token budget only.")

@@ -339,24 +339,22 @@ def render_markdown(spec: AblationSpec, groups: Sequence[GroupResult], rows: lis
                   "peak; gate sparsity the share of exactly-zero gates at the last analysis. — marks a metric no run "
                   "logged (e.g. evaluation not run, or no gates).", ""]
     lines += [pd.DataFrame(rows[1:], columns=rows[0]).to_markdown(index=False, disable_numparse=True), "", *bind]
-    if verdicts and wanted is not None:  # a sequential plan chose the seeds: its verdicts decide the claims
+    if verdicts:  # with a sequential plan (wanted given) its verdicts decide the claims: it chose the seeds
+        legend = (
+            "Decided by the sequential plan's verdicts (section \"Sequential plan\"), at its stated error rate: "
+            "**held**: every step of the claim decided in the claimed direction; **contradicted**: a step "
+            "decided the other way; **not resolved**: neither, or the claim is not one the plan tests (no "
+            "fixed-number test is made on seeds that a sequential plan chose); " if wanted is not None else
+            "**held**: the claimed order, every step of it significant; **contradicted**: a step significantly "
+            "the other way; **not resolved**: neither, with the minimum detectable difference at 80 % power "
+            "and the seeds a side that would resolve the observed one; ")
+        fixed_number = "" if wanted is not None else (
+            " Significant: p < 0.05 after Holm's correction over all the comparisons above. The verdict uses the "
+            "paired t-test over seeds when both groups have the same seeds (a seed fixes the data order and the "
+            "initial draws, so pairing removes what cells of one seed share), Welch's otherwise; both are given.")
         lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
-                  "Decided by the sequential plan's verdicts (section \"Sequential plan\"), at its stated error rate: "
-                  "**held**: every step of the claim decided in the claimed direction; **contradicted**: a step "
-                  "decided the other way; **not resolved**: neither, or the claim is not one the plan tests (no "
-                  "fixed-number test is made on seeds that a sequential plan chose); **not measurable at this "
-                  "scale**: every architecture within noise of the metric's chance level. They hold for this "
-                  "ablation's model size and token budget only.", ""]
-    elif verdicts:
-        lines += ["## The paper's claims at this scale", "", *(f"- {v.sentence()}" for v in verdicts), "",
-                  "**held**: the claimed order, every step of it significant; **contradicted**: a step significantly "
-                  "the other way; **not resolved**: neither, with the minimum detectable difference at 80 % power "
-                  "and the seeds a side that would resolve the observed one; **not measurable at this scale**: every "
-                  "architecture within noise of the metric's chance level. Significant: p < 0.05 after Holm's "
-                  "correction over all the comparisons above. The verdict uses the paired t-test over seeds when "
-                  "both groups have the same seeds (a seed fixes the data order and the initial draws, so pairing "
-                  "removes what cells of one seed share), Welch's otherwise; both are given. They hold for this "
-                  "ablation's model size and token budget only.", ""]
+                  legend + "**not measurable at this scale**: every architecture within noise of the metric's chance "
+                  f"level.{fixed_number} They hold for this ablation's model size and token budget only.", ""]
     if matched:
         lines += [f"## {measures.curve_label.capitalize()} at matched tokens", "",
                   f"Mean ± std over seeds of the {measures.curve_label} at each token count every cell was validated "
