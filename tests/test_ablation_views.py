@@ -25,7 +25,7 @@ from satlab.studies.ablation_plots import draw_curves
 from satlab.studies.ablation_report import write_report
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
-from satlab.studies.results import RECALL_MEASURES, CellResult, GroupResult
+from satlab.studies.results import LM_MEASURES, RECALL_MEASURES, CellResult, GroupResult
 from satlab.studies.runs import CELL_TAG, PARENT_TAG, create_parent_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -284,3 +284,24 @@ def test_with_a_sequential_plan_the_claims_follow_its_verdicts_not_a_fixed_numbe
     assert "ResFormer vs SATFormer: ResFormer better (8 seeds, look 1, mean difference +0.3, positive when ResFormer " \
            "is better, repeated CI [0.1, 0.5])" in verdicts["recall_vs_resformer.layout-adjacent"].detail
     assert "Transformer vs SATFormer: open (8 seeds," in verdicts["recall_vs_transformer.layout-separated"].detail
+
+
+def test_an_ablation_over_many_points_without_retrieval_states_that_claim_once_and_names_its_pooled_axes() -> None:
+    """Five widths, evaluation off: the loss order is claimed at each width and pooled ("over 5 settings of
+    d_model", not five labels run together); the retrieval claim, which no run could check, appears once."""
+    spec = spec_from_dict(AblationSpec, {"name": "widths", "axes": {
+        "model.arch": ["transformer", "resformer", "satformer"], "model.d_model": [32, 64, 128, 256, 512],
+        "train.seed": [0, 1]}})
+    groups: dict[str, GroupResult] = {}
+    for cell in spec.cells():
+        loss = {"satformer": 5.5, "resformer": 5.6, "transformer": 5.7}[dict(cell.values)["model.arch"]]
+        groups.setdefault(cell.group, GroupResult(cell.group, cell.group_values, 2)).cells.append(
+            CellResult(cell, cell.slug, {"val_loss": loss + 0.01 * cell.seed}, None, []))
+    verdicts = paper_verdicts(spec, list(groups.values()), LM_MEASURES)
+    claims = [v.claim for v in verdicts]
+    retrieval = [c for c in claims if c.startswith("SATFormer best on the retrieval average")]
+    assert retrieval == ["SATFormer best on the retrieval average"]
+    assert next(v for v in verdicts if v.claim in retrieval).outcome == "could not be checked"
+    order = "SATFormer < ResFormer < Transformer in final validation loss"
+    assert sorted(c for c in claims if c.startswith(order)) == sorted(
+        [f"{order} (d_model={d})" for d in (32, 64, 128, 256, 512)] + [f"{order} (pooled over 5 settings of d_model)"])

@@ -223,33 +223,54 @@ def recall_claims(groups: Sequence[GroupResult]) -> list[Claim]:
 
 def loss_claims(groups: Sequence[GroupResult]) -> list[Claim]:
     """SATFormer < ResFormer < Transformer in final validation loss, and SATFormer best on the retrieval average, at
-    every point of the other axes (a corpus axis, say) and, with more than one point, pooled over them."""
+    every point of the other axes (a corpus axis, say) and, with more than one point, pooled over them. When no run
+    logged the retrieval average (evaluation off), its claim is stated once, unchecked, not once per point."""
     points: dict[str, dict[str, GroupResult]] = {}  # one per value of the other axes (a corpus axis, say)
     for group in groups:
         points.setdefault(point_label(group), {})[group.values["model.arch"]] = group
     retrieval_chance = sum(chance_level(f) for f in RETRIEVAL) / len(RETRIEVAL)  # the chance of their average
+    retrieval_logged = any(by_seed(g, "retrieval") for g in groups)
 
-    def claims(samples: Callable[[str], dict[str, dict]], where: str, point: str, archs: Sequence[str],
-               values: Mapping[str, object] | None) -> list[Claim]:
+    def loss_claim(samples: Callable[[str], dict[str, dict]], where: str, point: str,
+                   values: Mapping[str, object] | None) -> Claim:
         order = tuple(zip(CLAIMED_LOSS_ORDER, CLAIMED_LOSS_ORDER[1:], strict=False))
-        return [Claim(claim_key("loss_order", point), CLAIMED_LOSS_ORDER, lambda: ordering_verdict(
-                    samples("val_loss"), list(CLAIMED_LOSS_ORDER),
-                    f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names()),
-                      "val_loss", order, values),
-                Claim(claim_key("retrieval_best", point), ("satformer",), lambda: best_verdict(
-                    samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
-                    labels=arch_names(), chance=retrieval_chance),
-                      "retrieval", tuple(("satformer", a) for a in archs if a != "satformer"), values)]
+        return Claim(claim_key("loss_order", point), CLAIMED_LOSS_ORDER, lambda: ordering_verdict(
+            samples("val_loss"), list(CLAIMED_LOSS_ORDER),
+            f"SATFormer < ResFormer < Transformer in final validation loss{where}", labels=arch_names()),
+                     "val_loss", order, values)
+
+    def retrieval_claim(samples: Callable[[str], dict[str, dict]], where: str, point: str, archs: Sequence[str],
+                        values: Mapping[str, object] | None) -> Claim:
+        return Claim(claim_key("retrieval_best", point), ("satformer",), lambda: best_verdict(
+            samples("retrieval"), "satformer", f"SATFormer best on the retrieval average{where}",
+            labels=arch_names(), chance=retrieval_chance),
+                     "retrieval", tuple(("satformer", a) for a in archs if a != "satformer"), values)
 
     found = []
     for point, by_arch in points.items():
-        found += claims(lambda column, by_arch=by_arch: {a: by_seed(g, column) for a, g in by_arch.items()},
-                        f" ({point})" if point else "", point, list(by_arch),
-                        point_values(next(iter(by_arch.values()))))
+        def samples(column: str, by_arch: dict[str, GroupResult] = by_arch) -> dict[str, dict]:
+            return {a: by_seed(g, column) for a, g in by_arch.items()}
+
+        where, values = f" ({point})" if point else "", point_values(next(iter(by_arch.values())))
+        found.append(loss_claim(samples, where, point, values))
+        if retrieval_logged or len(points) == 1:
+            found.append(retrieval_claim(samples, where, point, list(by_arch), values))
     if len(points) > 1:  # pooled: a cell is paired with the cell of the same point and seed
         archs = sorted({a for by_arch in points.values() for a in by_arch})
-        found += claims(lambda column: {arch: {(point, seed): value for point, by_arch in points.items()
-                                               for seed, value in by_seed(by_arch.get(arch), column).items()}
-                                        for arch in archs},
-                        " (pooled over " + "; ".join(points) + ")", "pooled", archs, None)
+
+        def pooled(column: str) -> dict[str, dict]:
+            return {arch: {(point, seed): value for point, by_arch in points.items()
+                           for seed, value in by_seed(by_arch.get(arch), column).items()} for arch in archs}
+
+        where = " (pooled over " + ("; ".join(points) if len(points) <= 4 else
+                                    f"{len(points)} settings of {', '.join(other_axes(groups))}") + ")"
+        found.append(loss_claim(pooled, where, "pooled", None))
+        found.append(retrieval_claim(pooled, where if retrieval_logged else "", "pooled" if retrieval_logged else "",
+                                     archs, None))
     return found
+
+
+def other_axes(groups: Sequence[GroupResult]) -> list[str]:
+    """The short names of the axes other than the architecture that vary between ``groups``."""
+    keys = [k for k in groups[0].values if k != "model.arch"] if groups else []
+    return [k.rsplit(".", 1)[-1] for k in keys if len({format_value(g.values.get(k)) for g in groups}) > 1]
