@@ -167,9 +167,11 @@ def test_report_section_on_synthetic_results(tmp_path: Path) -> None:
 
 
 def test_wider_is_better_holds_only_where_every_wider_model_is_lower_at_every_step() -> None:
-    narrow = {1e-3: {100.0: 5.0, 200.0: 4.0}, 2e-3: {100.0: 5.0, 200.0: 4.0}, 4e-3: {100.0: 5.0}}
-    middle = {1e-3: {100.0: 4.9, 200.0: 3.9}, 2e-3: {100.0: 4.9, 200.0: 4.0}, 4e-3: {100.0: 4.0}}
-    wide = {1e-3: {100.0: 4.8, 200.0: 3.8}, 2e-3: {100.0: 4.8, 200.0: 3.7}}  # 4e-3 not run at this width
+    """Every validation after training began; the untrained one (0 tokens), near ln(vocabulary) at every width (here
+    the narrow model's a hair lower), is not one of them."""
+    narrow = {1e-3: {0.0: 5.5450, 100.0: 5.0, 200.0: 4.0}, 2e-3: {100.0: 5.0, 200.0: 4.0}, 4e-3: {100.0: 5.0}}
+    middle = {1e-3: {0.0: 5.5452, 100.0: 4.9, 200.0: 3.9}, 2e-3: {100.0: 4.9, 200.0: 4.0}, 4e-3: {100.0: 4.0}}
+    wide = {1e-3: {0.0: 5.5452, 100.0: 4.8, 200.0: 3.8}, 2e-3: {100.0: 4.8, 200.0: 3.7}}  # 4e-3 not run at this width
     wider = wider_is_better([narrow, middle, wide], ["d=32", "d=64", "d=128"])
     assert wider["holds_at"] == [1e-3]
     assert wider["broken"] == [{"lr": 2e-3, "tokens": 200.0, "losses": "d=32 4.0000, d=64 4.0000, d=128 3.7000"}]

@@ -99,13 +99,15 @@ def mean_curve(group: GroupResult) -> dict[float, float]:
 
 def wider_is_better(curves: Sequence[dict[float, dict[float, float]]], names: Sequence[str]) -> dict[str, Any]:
     """μP's "wider is better": at each learning rate that every width of the width series ran, whether the mean
-    validation loss falls strictly with width at every token count they all logged. ``curves[i]``: the i-th width's
+    validation loss falls strictly with width at every token count > 0 they all logged. ``curves[i]``: the i-th width's
     learning rate -> mean curve (widths in increasing order, named by ``names``). The learning rates where it holds,
-    and the first (lr, tokens) where it does not at the others."""
+    and the first (lr, tokens) where it does not at the others. The validation before training is left out: no step
+    at any learning rate has been taken there, and with small initial logits every width starts within a hair of the
+    same loss (ln of the vocabulary size), so it would decide the comparison by noise."""
     holds, broken = [], []
     shared = set.intersection(*(set(c) for c in curves)) if len(curves) > 1 else set()
     for lr in sorted(shared):
-        tokens = set.intersection(*(set(c[lr]) for c in curves))
+        tokens = {t for t in set.intersection(*(set(c[lr]) for c in curves)) if t > 0}
         if not tokens:
             continue
         pairs = list(zip(curves, curves[1:], strict=False))  # each width with the next wider one
@@ -122,8 +124,9 @@ def wider_text(wider: dict[str, Any]) -> str:
     checked = len(wider["holds_at"]) + len(wider["broken"])
     if not checked:
         return "Wider is better: not checked (fewer than two widths ran a learning rate in common)."
-    text = (f"Wider is better (mean validation loss strictly lower at each larger width, at every logged step; "
-            f"widths {', '.join(wider['widths'])}): holds at {len(wider['holds_at'])} of {checked} learning rates")
+    text = (f"Wider is better (mean validation loss strictly lower at each larger width, at every validation after "
+            f"training began; widths {', '.join(wider['widths'])}): holds at {len(wider['holds_at'])} of {checked} "
+            f"learning rates")
     if wider["broken"]:
         first = wider["broken"][0]
         lrs = ", ".join(f"{b['lr']:.3g}" for b in wider["broken"])
