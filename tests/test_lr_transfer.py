@@ -201,6 +201,11 @@ def test_transfer_dry_run_and_write(tmp_path: Path, capsys: pytest.CaptureFixtur
     data = yaml.safe_load(text)
     assert data["base"] == "default" and data["optim"]["lr"] == pytest.approx(2 ** -9, rel=0.1)
     assert data["model"] == {"parametrization": "completep", "base_width": 32, "base_depth": 2, "depth_alpha": 1.0}
+    swept = json.loads(summary.read_text())
+    swept["lr_transfer"]["plan"]["base"]["model.n_heads"] = 2  # a study whose base shape names its heads: 16 each
+    summary.write_text(json.dumps(swept))
+    assert main(args) == 0
+    assert yaml.safe_load(out.read_text())["model"]["base_head_dim"] == 16
     assert "parent run run42, commit abc123" in text and "4,096 tokens per run" in text
     assert "tokens per parameter" in text and "do not cover another" in text
 

@@ -15,7 +15,7 @@ from satlab.config.errors import ConfigError
 from satlab.config.schema import OptimConfig
 from satlab.models import ARCHITECTURES, build_model
 from satlab.models.layers import Attention, Block
-from satlab.models.parametrization import ParamClass, parameter_table
+from satlab.models.parametrization import ParamClass, declarations, parameter_table
 from satlab.training.module import parameter_groups
 
 SMALL = dict(n_heads=4, mlp_hidden=512, vocab_size=64, max_seq_len=32)
@@ -90,14 +90,15 @@ SHAPES = {
                      "blocks.3.attn.q_norm.weight": (None, 1.0, 0.5),  # scalar: eps only the depth factor
                      "embed.weight": (None, 1.0, 0.5), "lm_head.weight": (None, 1.0, 0.5),
                      "norm.weight": (None, 1.0, 0.5),
-                     "multipliers": (0.5, 0.5, 1 / 64)},  # branch 2^-1, logits 1/2, attention 1/d_head (256/4)
+                     # branch 2^-1, logits 1/2; attention sp's (None): the head dim (64) is the base's
+                     "multipliers": (0.5, 0.5, None)},
     # m_w = 1/2, m_L = 1/2, alpha = 1/2: LR x m_L^(-1/2) = sqrt(2) in the branches, eps x m_L^(-1/2)
     (64, 3, 0.5): {"blocks.1.attn.q_proj.weight": (0.02 * math.sqrt(2), 2 * math.sqrt(2), 2 * math.sqrt(2)),
                    # one gate per token (gate_granularity=token): output-like, std 0.02 / m_w
                    "blocks.1.attn.value_path.proj.weight": (0.04, 2 * math.sqrt(2), 2 * math.sqrt(2)),
                    "blocks.1.mlp_norm.weight": (None, math.sqrt(2), 2 * math.sqrt(2)),
                    "embed.weight": (None, 1.0, 2.0), "lm_head.weight": (None, 1.0, 2.0),
-                   "multipliers": (math.sqrt(2), 2.0, 1 / 16)},
+                   "multipliers": (math.sqrt(2), 2.0, None)},
 }
 
 
@@ -108,7 +109,7 @@ def test_derived_init_lr_eps_wd_and_multipliers_match_hand_computed_values(width
     expected = dict(SHAPES[(width, depth, alpha)])
     branch, logits, attention = expected.pop("multipliers")
     assert model.multipliers.branch == pytest.approx(branch) and model.multipliers.logits == pytest.approx(logits)
-    assert model.multipliers.attention == pytest.approx(attention)
+    assert model.multipliers.attention == attention
     assert all(float(b.branch_scale) == pytest.approx(branch) for b in model.blocks)
     params = dict(model.named_parameters())
     for name, (std, lr, eps) in expected.items():
@@ -179,3 +180,39 @@ def test_the_logit_multiplier_scales_the_logits():
     scaled = model(idx).logits
     model.multipliers = type(model.multipliers)(branch=1.0, logits=1.0, attention=model.multipliers.attention)
     assert torch.allclose(scaled, model(idx).logits * 0.5, atol=1e-6)
+
+
+@pytest.mark.parametrize("parametrization", ["mup", "completep"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_at_the_base_shape_mup_and_completep_are_the_sp_model(arch, parametrization):
+    """The point of tuning at the base shape: there every factor is 1 and the model is sp's, the attention scale
+    included (a literal 1/d_head made it another model, lr_transfer v1), so the same weights give the same logits,
+    every derived init std is sp's, and the optimizer gets the same groups."""
+    idx = torch.randint(0, 64, (2, 16))
+    outputs, groups, weights = [], [], None
+    for name in ("sp", parametrization):
+        model = build_model(dict(arch=arch, d_model=64, n_layers=3, parametrization=name, base_width=64,
+                                 base_depth=3, **SMALL))
+        assert model.multipliers.attention is None
+        decls = declarations(model)
+        assert all(rule.init_std is None or rule.init_std == decls[n].std(model, model.cfg)
+                   for n, rule in model.param_rules.items())
+        weights = model.state_dict() if weights is None else weights
+        model.load_state_dict(weights)
+        outputs.append(model(idx).logits)
+        groups.append([(g["lr"], g["weight_decay"], g["eps"], len(g["params"]))
+                       for g in parameter_groups(model, OptimConfig())])
+    assert torch.equal(outputs[0], outputs[1]) and groups[0] == groups[1]
+
+
+def test_the_attention_scale_falls_as_one_over_the_head_dim_from_the_base_head_dim():
+    """sqrt(d_base) / d_head: heads of 64 tuned at heads of 16 get 4/64 = 1/16 (sp's 1/8 times 16/64 over sp's
+    1/4 at the base), and SDPA is called with it; under sp the base head dim is ignored."""
+    model = build_model(dict(arch="transformer", d_model=256, n_layers=2, parametrization="completep",
+                             base_head_dim=16, **SMALL, **BASE))
+    assert model.multipliers.attention == pytest.approx(1 / 16)
+    assert all(b.attn.attn_scale == pytest.approx(1 / 16) for b in model.blocks)
+    assert build_model(dict(arch="transformer", d_model=256, n_layers=2, parametrization="completep",
+                            base_head_dim=64, **SMALL, **BASE)).multipliers.attention is None
+    assert build_model(dict(arch="transformer", d_model=256, n_layers=2, base_head_dim=16,
+                            **SMALL, **BASE)).multipliers.attention is None

@@ -72,6 +72,12 @@ def pick_series(summary: dict[str, Any], arch: str, parametrization: str) -> dic
     return chosen
 
 
+def swept_head_dim(base: dict[str, Any]) -> int | None:
+    """The head dim of the study's base shape, where its spec names both the width and the head count."""
+    width, heads = base.get("model.d_model"), base.get("model.n_heads")
+    return int(width) // int(heads) if width and heads else None
+
+
 def preset(summary: dict[str, Any], series: dict[str, Any], target: str, parametrization: str) -> tuple[dict, str]:
     """(the preset's YAML data, its header comment)."""
     transfer = summary["lr_transfer"]
@@ -82,6 +88,9 @@ def preset(summary: dict[str, Any], series: dict[str, Any], target: str, paramet
              "base_width": fixed.get("model.base_width", plan["base"].get("model.d_model")),
              "base_depth": fixed.get("model.base_depth", plan["base"].get("model.n_layers")),
              "depth_alpha": fixed.get("model.depth_alpha", 1.0)}
+    head_dim = fixed.get("model.base_head_dim") or swept_head_dim(plan["base"])
+    if head_dim:  # μP's attention rule then follows the target's head dim from the swept one
+        model["base_head_dim"] = head_dim
     lr = float(f"{2 ** series['base_log2_lr']:.3g}")
     interval = base["interval"]
     shown_interval = "none" if interval is None else ", ".join(

@@ -97,6 +97,9 @@ class BackboneConfig:
     base_depth: int = field(default=6, metadata=in_range(1, 4096, note="; the n_layers the learning rate is tuned at"))
     depth_alpha: float = field(default=1.0, metadata=in_range(0.5, 1, note="; CompleteP's exponent: 1 is CompleteP, "
                                                                            "0.5 the square-root depth scaling"))
+    base_head_dim: int | None = field(default=None, metadata=in_range(
+        1, 65_536, note="; the head dim the learning rate is tuned at, for a model whose head dim differs (null: the "
+                        "model's own, and the attention scale is sp's)"))
 
     @property
     def head_dim(self) -> int:

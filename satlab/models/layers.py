@@ -204,8 +204,8 @@ class Attention(nn.Module):
     the projection's own output, (B, T, n_kv_heads * head_dim), viewed per head where it is used, and later layers
     return None in its place instead of their V_1 input (the depth loop keeps layer 0's).
 
-    ``attn_scale`` is the attention-logit scale (None: SDPA's 1/sqrt(d_head); μP sets 1/d_head, a float that only
-    changes with the head dim, which changes the shapes anyway).
+    ``attn_scale`` is the attention-logit scale (None: SDPA's 1/sqrt(d_head); μP sets sqrt(d_base)/d_head off the
+    base head dim, a float that only changes with the head dim, which changes the shapes anyway).
     """
 
     param_classes = {"q_proj.weight": HIDDEN, "k_proj.weight": HIDDEN, "v_proj.weight": HIDDEN,
@@ -265,7 +265,7 @@ class Attention(nn.Module):
                 causal = False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads,
-            scale=self.attn_scale,  # μP: 1/d_head where set
+            scale=self.attn_scale,  # μP: sqrt(d_base)/d_head where set
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if out_scale is not None:  # CompleteP: the branch x m_L^-alpha, in the projection's weight

@@ -48,7 +48,7 @@ class DecoderLM(nn.Module):
         self.multipliers = multipliers(cfg, architecture)
         for block in self.blocks:
             block.set_branch_multiplier(self.multipliers.branch)  # CompleteP: residual branches x m_L^-alpha
-            block.attn.attn_scale = self.multipliers.attention  # μP: attention logits / d_head
+            block.attn.attn_scale = self.multipliers.attention  # μP: attention logits / d_head off the base head dim
         self.param_rules = parameter_table(self, cfg)  # refuses a parameter no module declares
         self.init_weights()
         self.register_load_state_dict_pre_hook(_scalars_as_vectors)

@@ -29,8 +29,9 @@ scalar      unchanged                   x 1                 x 1
 
 Under ``completep`` a parameter in a residual branch also gets LR x m_L^(alpha-1) and eps x m_L^(-alpha), and
 every branch's output is multiplied by m_L^(-alpha). Weight decay is in the independent form: lr x wd stays what it
-is at the base shape (wd x 1/lr_mult). Under ``mup`` and ``completep`` attention logits are scaled 1/d_head. Under
-``sp`` every factor is 1 and no init is touched: the spec's model and optimizer exactly.
+is at the base shape (wd x 1/lr_mult). Under ``mup`` and ``completep`` attention logits follow 1/d_head relative to
+``base_head_dim`` (:func:`attention_scale`: sp's scale at the base head dim). Under ``sp`` every factor is 1 and no
+init is touched: the spec's model and optimizer exactly.
 """
 
 from __future__ import annotations
@@ -140,7 +141,17 @@ def multipliers(cfg: Any, architecture: Any = None) -> Multipliers:
         branch = depth_multiplier(cfg) ** -cfg.depth_alpha  # CompleteP: each residual branch x m_L^-alpha
     return Multipliers(branch=branch,
                        logits=1.0 / width_multiplier(cfg),  # μP: output logits x 1/m_w (the head's LR stays)
-                       attention=1.0 / cfg.head_dim)  # μP: q·k / d_head instead of / sqrt(d_head)
+                       attention=attention_scale(cfg))
+
+
+def attention_scale(cfg: Any) -> float | None:
+    """μP's attention rule, anchored at the base: q·k x sqrt(d_base) / d_head, which is sp's 1 / sqrt(d_head) at the
+    base head dim and falls as 1 / d_head away from it. None (SDPA's own 1 / sqrt(d_head)) when the head dim is the
+    base's, as in every satlab series, which widens by adding heads. The literal 1 / d_head would change the base
+    model itself: with QK-norm it caps each logit at the product of the two norm gains (4x lower than sp's at heads
+    of 16) and cost 0.13-0.30 nats at the lr_transfer base shape (docs/results/2026-12-06-lr-transfer-v1.md)."""
+    base = cfg.base_head_dim or cfg.head_dim
+    return None if base == cfg.head_dim else math.sqrt(base) / cfg.head_dim  # μP: 1/d_head relative to the base
 
 
 def declarations(model: nn.Module) -> dict[str, ParamDecl]:
@@ -205,5 +216,5 @@ def derive(decl: ParamDecl, cfg: Any, in_block: bool, depth: bool,
 
 
 __all__ = ["HIDDEN", "INPUT", "OUTPUT_ZERO", "SCALAR", "Multipliers", "ParamClass", "ParamDecl", "ParamRule",
-           "branch_output_std", "declarations", "depth_multiplier", "depth_rules", "multipliers", "own_std",
-           "parameter_table", "width_multiplier"]
+           "attention_scale", "branch_output_std", "declarations", "depth_multiplier", "depth_rules", "multipliers",
+           "own_std", "parameter_table", "width_multiplier"]
