@@ -22,7 +22,7 @@ from satlab.studies.attrs import LOG, PID, REASON
 from satlab.studies.loader import load_sweep
 from satlab.studies.storage import open_storage
 from satlab.studies.workers import trial_command
-from satlab.training.launch import worker_env
+from satlab.training.launch import ProcessGroup, worker_env
 
 MICRO = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_hidden": 64,
@@ -298,3 +298,16 @@ def test_a_changed_spec_does_not_join_a_study_of_another_space(tmp_path):
     narrower = load_sweep("lr_tiny", ["space.optim.lr.high=1e-2"])
     with pytest.raises(ConfigError, match="another base, overrides, objective or search space"):
         open_study(narrower, SearchPlan(narrower, "transformer", 1), storage)
+
+
+def test_a_process_group_stopped_before_a_run_starts_it_not(tmp_path: Path) -> None:
+    """The race an interrupted ablation met: a worker thread asked for a trial just after SIGTERM stopped the group.
+    That run must not start (it would run to its end with nobody to stop it); it returns as if stopped."""
+    group = ProcessGroup()
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    assert group.run(command, dict(os.environ), tmp_path / "first.log", None) == (0, False) and marker.exists()
+    marker.unlink()
+    group.terminate()
+    assert group.run(command, dict(os.environ), tmp_path / "late.log", None) == (-signal.SIGTERM, False)
+    assert not marker.exists() and "not started" in (tmp_path / "late.log").read_text()

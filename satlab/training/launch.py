@@ -74,19 +74,25 @@ class ProcessGroup:
     def __init__(self) -> None:
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
+        self._closed = False  # set by terminate(): a run asked for afterwards starts nothing
 
     def run(self, command: list[str], env: dict[str, str], log_file: Path, timeout: float | None,
             append: bool = False) -> tuple[int, bool]:
         """Run ``command`` to its end, or to its ``timeout`` in seconds (then it is stopped): (return code, whether
         it timed out). Its output goes to ``log_file``, overwritten, or with ``append`` added after a line naming the
-        command and the time. An interrupt while waiting stops the process and goes on."""
+        command and the time. An interrupt while waiting stops the process and goes on. After :meth:`terminate` it
+        starts nothing and returns what a process stopped by SIGTERM returns: a worker thread that was between its
+        last check and this call when the interrupt came would otherwise start a run nobody stops."""
         with open(log_file, "a" if append else "w") as log:
             if append:
                 log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command)}\n")
                 log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        with self._lock:
-            self._procs.add(proc)
+            with self._lock:  # one step with terminate(): a process is either signalled or never started
+                if self._closed:
+                    log.write("not started: the driver was stopping\n")
+                    return -signal.SIGTERM, False
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                self._procs.add(proc)
         try:
             proc.wait(timeout=timeout)
             return proc.returncode, False
@@ -101,8 +107,9 @@ class ProcessGroup:
                 self._procs.discard(proc)
 
     def terminate(self) -> list[subprocess.Popen]:
-        """Send every running process SIGTERM without waiting for it; the processes signalled."""
+        """Send every running process SIGTERM without waiting for it, and start no more; the processes signalled."""
         with self._lock:
+            self._closed = True
             procs = list(self._procs)
         for proc in procs:
             proc.terminate()
