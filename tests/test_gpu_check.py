@@ -111,3 +111,13 @@ def test_the_wheelhouse_carries_what_the_gpu_image_lacks_and_never_its_cuda_stac
     assert {"omegaconf", "optuna", "datasets", "lm-eval", "mlflow-skinny", "sqlalchemy", "alembic"} <= carried
     assert not {name for name in carried if re.match(r"torch|triton|nvidia-|lightning|numpy|pandas", name)}
     assert "# left out mlflow:" in proc.stdout
+
+
+def test_the_transfer_step_looks_where_satlab_transfer_writes_by_default() -> None:
+    """The step's default preset is the file `satlab transfer --target paper/small` writes for SATFormer under
+    completep, so a finished study feeds the GPU check without a variable to set."""
+    from satlab.cli.transfer import default_out
+
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    default = re.search(r"\$\{TRANSFER_PRESET:-([^}]+)\}", script)
+    assert default is not None and default.group(1) == str(default_out("paper/small", "satformer", "completep"))

@@ -72,6 +72,11 @@ def pick_series(summary: dict[str, Any], arch: str, parametrization: str) -> dic
     return chosen
 
 
+def default_out(target: str, arch: str, parametrization: str) -> Path:
+    """Where a preset is written without --out: ``experiments/transferred/paper_small-satformer-completep.yaml``."""
+    return DEFAULT_FOLDER / f"{target.replace('/', '_')}-{arch}-{parametrization}.yaml"
+
+
 def swept_head_dim(base: dict[str, Any]) -> int | None:
     """The head dim of the study's base shape, where its spec names both the width and the head count."""
     width, heads = base.get("model.d_model"), base.get("model.n_heads")
@@ -126,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     series = pick_series(summary, arch, args.parametrization)
     data, header = preset(summary, series, args.target, args.parametrization)
     text = header + "\n" + yaml.safe_dump(data, sort_keys=False)
-    out = Path(args.out) if args.out else \
-        DEFAULT_FOLDER / f"{args.target.replace('/', '_')}-{arch}-{args.parametrization}.yaml"
+    out = Path(args.out) if args.out else default_out(args.target, arch, args.parametrization)
     if args.dry_run:
         print(f"would write {out}:\n{text}", end="")
         return 0
