@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from satlab.config.loader import load_experiment
 from satlab.studies.attrs import LOG, PID, REASON
 from satlab.studies.loader import load_sweep
 from satlab.studies.storage import open_storage
-from satlab.studies.workers import trial_command
+from satlab.studies.workers import TrialRunner, trial_command
 from satlab.training.launch import ProcessGroup, worker_env
 
 MICRO = {
@@ -311,3 +312,17 @@ def test_a_process_group_stopped_before_a_run_starts_it_not(tmp_path: Path) -> N
     group.terminate()
     assert group.run(command, dict(os.environ), tmp_path / "late.log", None) == (-signal.SIGTERM, False)
     assert not marker.exists() and "not started" in (tmp_path / "late.log").read_text()
+
+
+def test_a_second_signal_during_the_stop_is_ignored_not_raised_inside_it() -> None:
+    """Stopping lr_transfer by SIGTERM to its process group: make passed a second SIGTERM on while the driver waited
+    for its trials to stop, and the handler's KeyboardInterrupt broke that wait with a traceback."""
+    runner = object.__new__(TrialRunner)  # only what the handler touches
+    runner.stopping, runner.procs = threading.Event(), ProcessGroup()
+    with pytest.raises(KeyboardInterrupt):
+        runner.interrupt(signal.SIGTERM, None)
+    assert runner.stopping.is_set()
+    try:
+        runner.interrupt(signal.SIGTERM, None)  # the second: no exception
+    except KeyboardInterrupt:
+        pytest.fail("a second signal raised KeyboardInterrupt inside the stop under way")

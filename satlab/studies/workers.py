@@ -138,6 +138,11 @@ class TrialRunner:
         return self.stopping.is_set()
 
     def interrupt(self, signum: int, frame: Any) -> None:
+        """The first SIGINT or SIGTERM stops the running trials; a second one (make passes its own SIGTERM on, a
+        second Ctrl-C) is ignored rather than raised inside that stop, which ends within each trial's grace period
+        and leaves every trial resumable."""
+        if self.stopping.is_set():
+            return
         self.stopping.set()
         self.procs.terminate()
         raise KeyboardInterrupt
