@@ -72,6 +72,10 @@ def pick_series(summary: dict[str, Any], arch: str, parametrization: str) -> dic
     return chosen
 
 
+FIT_NAMES = {"all": "a quadratic over every learning rate", "local": "a parabola through the best learning rate and "
+             "its two neighbours"}
+
+
 def default_out(target: str, arch: str, parametrization: str) -> Path:
     """Where a preset is written without --out: ``experiments/transferred/paper_small-satformer-completep.yaml``."""
     return DEFAULT_FOLDER / f"{target.replace('/', '_')}-{arch}-{parametrization}.yaml"
@@ -104,7 +108,8 @@ def preset(summary: dict[str, Any], series: dict[str, Any], target: str, paramet
     header = "\n".join(f"# {line}" for line in (
         f"Written by `satlab transfer` from ablation '{summary['name']}' (MLflow parent run "
         f"{summary.get('parent_run_id')}, commit {sweep.get('commit') or 'unknown'}).",
-        f"{series['label']}: optimum learning rate at the base shape ({series['base']}) {lr:.3g}, "
+        f"{series['label']}: optimum learning rate at the base shape ({series['base']}; "
+        f"{FIT_NAMES[series.get('fit', 'all')]}) {lr:.3g}, "
         f"{plan['level'] * 100:g} % bootstrap interval [{shown_interval}]; verdict over the shapes: "
         f"{series['outcome']}.",
         f"The sweep: {sweep['max_tokens']:,} tokens per run in batches of {sweep['global_batch_tokens']:,} tokens"

@@ -15,6 +15,9 @@ from typing import Any
 from satlab.config.errors import quoted, shown
 from satlab.config.structured import in_range
 
+FITS = ("all", "local")
+"""The ways a shape's optimum is fitted (``LRTransferPlan.fit``)."""
+
 MIN_LRS = 3
 """The fewest learning rates a quadratic can be fitted to with a residual left; the shipped study has eight."""
 
@@ -33,6 +36,9 @@ class LRTransferPlan:
     resamples: int = field(default=2000, metadata=in_range(100, 10**6))
     seed: int = 0
     tolerance: float = field(default=0.5, metadata=in_range(0, 10, True))
+    # Which quadratic gives a shape's optimum: ``all`` fits every learning rate; ``local`` the best learning rate
+    # and its two neighbours (satlab.studies.lr_transfer.local_optimum), for curves a single parabola does not fit.
+    fit: str = "all"
 
     @property
     def enabled(self) -> bool:
@@ -49,6 +55,9 @@ class LRTransferPlan:
             return [f"{prefix}base is set but {prefix}lr_key is empty: name the learning-rate axis, e.g. "
                     f"lr_key: optim.lr"] if self.base else []
         problems = []
+        if self.fit not in FITS:
+            problems.append(f"{prefix}fit {shown(self.fit)} is not one of {', '.join(FITS)}: 'all' fits a quadratic to "
+                            "every learning rate of a shape, 'local' to its best learning rate and the two beside it")
         lrs = axes.get(self.lr_key)
         if lrs is None:
             return [f"{prefix}lr_key {quoted(self.lr_key)} is not an axis of the grid (axes: "

@@ -16,6 +16,14 @@ shortfall (about 0.6 at two seeds).
 
 An optimum is reported only inside the swept range: a fit that curves down (c <= 0) has no minimum, and one whose
 vertex lies beyond the smallest or largest learning rate swept is an extrapolation; both are stated as such.
+
+One parabola over the whole sweep is a model of the curve, and short runs break it: their loss rises steeply below
+the optimum and slowly, sometimes not at all, above it, so the vertex is pulled towards the flat side and the
+bootstrap, which sees only seed noise, gives it a tight interval anyway. :func:`lack_of_fit_p` tests the parabola
+against the seeds' own scatter (the pure-error F test of a replicated design; Draper & Smith, *Applied Regression
+Analysis*, 3rd ed., section 2.1). :func:`local_optimum` is the alternative that assumes the curve is a parabola only
+near its minimum: the vertex of the parabola through the mean losses at the best learning rate and its two
+neighbours, the best learning rate picked again in every bootstrap resample, so the interval includes that choice.
 """
 
 from __future__ import annotations
@@ -93,6 +101,10 @@ class Optimum:
     fit: QuadraticFit
     no_minimum_share: float
     seeds: int
+    window: tuple[float, float] = (-math.inf, math.inf)
+    """The log2 learning rates the fit used (the whole sweep, or the local fit's three)."""
+    lack_of_fit_p: float | None = None
+    """The pure-error F test of a fit to more than three learning rates (None without the degrees of freedom)."""
 
     @property
     def lr(self) -> float | None:
@@ -142,17 +154,87 @@ def optimum(points: Mapping[float, Sequence[float]], level: float = 0.9, resampl
     s, m = x.std() or 1.0, x.mean()
     b, c = coef[1] / s - 2 * coef[2] * m / (s * s), coef[2] / (s * s)
     optima, _ = vertex(b, c, low, high)
-    lacking = float(np.isnan(optima).mean())
-    interval = None
-    if lacking <= 1 - level:
-        ordered = np.sort(optima[~np.isnan(optima)])
-        tail = (1 - level) / 2
-        lower = ordered[int(math.floor(tail * ordered.size))]
-        upper = ordered[max(int(math.ceil((1 - tail) * ordered.size)) - 1, 0)]
-        interval = (float(lower), float(upper))
+    interval, lacking = percentile_interval(optima, level)
     value = float(best) if status == INTERIOR else None
     seeds = min(len(i) for i in index)
-    return Optimum(value, str(status), interval, fit, lacking, seeds)
+    return Optimum(value, str(status), interval, fit, lacking, seeds, (low, high), lack_of_fit_p(x, y, index, fit))
+
+
+def percentile_interval(optima: np.ndarray, level: float) -> tuple[tuple[float, float] | None, float]:
+    """(the percentile interval of the resampled optima, None when more than 1 - level had no minimum; that share)."""
+    lacking = float(np.isnan(optima).mean())
+    if lacking > 1 - level:
+        return None, lacking
+    ordered = np.sort(optima[~np.isnan(optima)])
+    tail = (1 - level) / 2
+    lower = ordered[int(math.floor(tail * ordered.size))]
+    upper = ordered[max(int(math.ceil((1 - tail) * ordered.size)) - 1, 0)]
+    return (float(lower), float(upper)), lacking
+
+
+def lack_of_fit_p(x: np.ndarray, y: np.ndarray, index: Sequence[np.ndarray], fit: QuadraticFit) -> float | None:
+    """The p-value of the quadratic's lack of fit: its residual sum of squares split into the seeds' scatter about
+    their learning rate's mean (pure error, n - k degrees of freedom) and the rest (k - 3), compared by F. A small p
+    says the curve is not a parabola at the precision the seeds give. None with one seed everywhere or three
+    learning rates (no degrees of freedom for one of the two)."""
+    pure = float(sum(((y[rows] - y[rows].mean()) ** 2).sum() for rows in index))
+    pure_dof, lack_dof = y.size - len(index), len(index) - 3
+    if pure_dof < 1 or lack_dof < 1 or pure <= 0:
+        return None
+    lack = max(fit.residual_sd ** 2 * (y.size - 3) - pure, 0.0)
+    return float(stats.f.sf((lack / lack_dof) / (pure / pure_dof), lack_dof, pure_dof))
+
+
+def three_point_vertex(x: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(c, b, a) of the parabola through three points per column: ``x`` and ``m`` are (3, R)."""
+    (x0, x1, x2), (m0, m1, m2) = x, m
+    denominator = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    c = (x2 * (m1 - m0) + x1 * (m0 - m2) + x0 * (m2 - m1)) / denominator
+    b = (x2 ** 2 * (m0 - m1) + x1 ** 2 * (m2 - m0) + x0 ** 2 * (m1 - m2)) / denominator
+    a = m0 - b * x0 - c * x0 ** 2
+    return c, b, a
+
+
+def local_vertex(levels: np.ndarray, means: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of ``means`` (learning rates x resamples): the vertex of the parabola through the lowest mean and
+    its two neighbours, and its status; at the first or last learning rate the optimum is not located (BELOW or
+    ABOVE, -inf or +inf). Also the best learning rate's index."""
+    best = np.argmin(means, axis=0)
+    middle = np.clip(best, 1, levels.size - 2)
+    rows = np.stack([middle - 1, middle, middle + 1])
+    columns = np.arange(means.shape[1])
+    c, b, _ = three_point_vertex(levels[rows], means[rows, columns])
+    optima, status = vertex(b, c, float(levels[0]), float(levels[-1]))
+    status[best == 0], status[best == levels.size - 1] = BELOW, ABOVE
+    optima = np.where(best == 0, -np.inf, np.where(best == levels.size - 1, np.inf, optima))
+    return optima, status, best
+
+
+def local_optimum(points: Mapping[float, Sequence[float]], level: float = 0.9, resamples: int = 2000, seed: int = 0,
+                  adjust: bool = True) -> Optimum:
+    """The shape's optimum near its best learning rate (the module docstring): the parabola through the mean losses
+    at the best swept learning rate and its neighbours; the bootstrap resamples seeds as :func:`optimum` does and
+    picks the best learning rate again in each resample. An optimum at the first or last learning rate swept is
+    not located (BELOW or ABOVE)."""
+    x, y, index = points_arrays(points)
+    levels = np.array([x[rows[0]] for rows in index])
+    means = np.array([[y[rows].mean()] for rows in index])
+    best_x, status, best = local_vertex(levels, means)
+    middle = int(np.clip(best[0], 1, levels.size - 2))
+    window = levels[middle - 1:middle + 2]
+    c, b, a = three_point_vertex(window[:, None], means[middle - 1:middle + 2])
+    chosen = np.concatenate([index[i] for i in range(middle - 1, middle + 2)])
+    pure = sum(((y[index[i]] - y[index[i]].mean()) ** 2).sum() for i in range(middle - 1, middle + 2))
+    dof = chosen.size - 3
+    fit = QuadraticFit(float(a[0]), float(b[0]), float(c[0]), math.sqrt(pure / dof) if dof > 0 else math.nan,
+                       (math.nan, math.nan, math.nan), 1.0, int(chosen.size))
+    draws = resampled_losses(y, index, resamples, np.random.default_rng(seed), level, adjust)
+    resampled_means = np.stack([draws[rows].mean(axis=0) for rows in index])
+    optima, _, _ = local_vertex(levels, resampled_means)
+    interval, lacking = percentile_interval(optima, level)
+    value = float(best_x[0]) if status[0] == INTERIOR else None
+    return Optimum(value, str(status[0]), interval, fit, lacking, min(len(i) for i in index),
+                   (float(window[0]), float(window[-1])))
 
 
 @dataclass(frozen=True)

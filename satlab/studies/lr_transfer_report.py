@@ -23,9 +23,12 @@ import pandas as pd  # noqa: E402
 from satlab.studies.ablation_claims import arch_names  # noqa: E402
 from satlab.studies.ablation_plots import save_figure
 from satlab.studies.ablation_spec import AblationSpec  # noqa: E402
-from satlab.studies.lr_transfer import INTERIOR, Optimum, optimum, series_verdict  # noqa: E402
+from satlab.studies.lr_transfer import INTERIOR, Optimum, local_optimum, optimum, series_verdict  # noqa: E402
 from satlab.studies.results import GroupResult  # noqa: E402
 from satlab.studies.spec import format_value
+
+LACK_OF_FIT_ALPHA = 0.05
+"""The lack-of-fit test's level: a smaller p marks the all-points quadratic as rejected in the table."""
 
 TRANSFER_KEYS = ("model.parametrization", "model.base_width", "model.base_depth", "model.depth_alpha")
 """The fields a parametrisation derives the rest from: recorded with the study, written by ``satlab transfer``."""
@@ -51,8 +54,9 @@ def optimum_text(o: Optimum) -> str:
 
 
 def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
-    """Per series: its shapes' optima (with the points they were fitted to) and the verdict; a shape with fewer
-    than three learning rates with a finished cell is left out."""
+    """Per series: its shapes' optima by the plan's fit (with the points they were fitted to) and the verdict; a
+    shape with fewer than three learning rates with a finished cell is left out. With the local fit, also the
+    all-points fit's optima and verdict (``everywhere``), for comparison and its lack-of-fit test."""
     plan = spec.lr_transfer
     keys = plan.shape_keys
     others = [k for k in spec.group_axes() if k != plan.lr_key and k not in keys]
@@ -71,20 +75,24 @@ def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str,
     base = shape_label(plan.base, keys)
     out = []
     for label, series in found.items():
-        optima = {}
+        everywhere, local = {}, {}
         for name, shape in series["shapes"].items():
             if len(shape["points"]) >= 3 and sum(map(len, shape["points"].values())) >= 4:
-                optima[name] = optimum(shape["points"], plan.level, plan.resamples, plan.seed)
+                everywhere[name] = optimum(shape["points"], plan.level, plan.resamples, plan.seed)
+                local[name] = local_optimum(shape["points"], plan.level, plan.resamples, plan.seed)
+        optima = local if plan.fit == "local" else everywhere
         on = {name: series["shapes"][name]["values"] for name in optima}
         width = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.depth_keys)),
                        key=lambda n: [on[n][k] for k in plan.width_keys])
         depth = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.width_keys)),
                        key=lambda n: [on[n][k] for k in plan.depth_keys])
         verdict = series_verdict(optima, base, width, depth, plan.tolerance)
+        compared = None if plan.fit == "all" else series_verdict(everywhere, base, width, depth, plan.tolerance)
         at_base_depth = sorted((n for n, shape in series["shapes"].items()
                                 if all(shape["values"][k] == plan.base[k] for k in plan.depth_keys)),
                                key=lambda n: [series["shapes"][n]["values"][k] for k in plan.width_keys])
         out.append({"label": label, "values": series["values"], "base": base, "optima": optima,
+                    "everywhere": everywhere, "everywhere_verdict": compared,
                     "shapes": series["shapes"], "width_series": width, "depth_series": depth, "verdict": verdict,
                     "wider": wider_is_better([series["shapes"][n]["curves"] for n in at_base_depth], at_base_depth)})
     return out
@@ -138,20 +146,38 @@ def wider_text(wider: dict[str, Any]) -> str:
 def series_rows(entry: dict[str, Any], tolerance: float) -> list[list[str]]:
     reference = entry["verdict"].base_log2_lr
     rows = [["shape", "seeds", "params", "optimum LR [interval]", "log2 LR*", "octaves from base",
-             f"interval within ±{tolerance:g}"]]
+             f"interval within ±{tolerance:g}", "all-points quadratic: lack of fit p"]]
     for name, o in entry["optima"].items():
         octaves = "—" if o.log2_lr is None or reference is None else f"{o.log2_lr - reference:+.2f}"
         params = entry["shapes"][name]["params"]
         rows.append([name + (" (base)" if name == entry["base"] else ""), str(o.seeds),
                      f"{params:,}" if params else "—", optimum_text(o),
                      "—" if o.log2_lr is None else f"{o.log2_lr:.2f}", octaves,
-                     "—" if reference is None else "yes" if name not in entry["verdict"].outside else "no"])
+                     "—" if reference is None else "yes" if name not in entry["verdict"].outside else "no",
+                     p_text(entry["everywhere"][name].lack_of_fit_p)])
     return rows
 
 
+def p_text(p: float | None) -> str:
+    return "—" if p is None else f"{p:.2g}" + (" (rejected)" if p < LACK_OF_FIT_ALPHA else "")
+
+
+def compared_text(entry: dict[str, Any]) -> list[str]:
+    """With the local fit: the all-points fit's verdict and how many of its fits the lack-of-fit test rejects."""
+    v = entry["everywhere_verdict"]
+    if v is None:
+        return []
+    tested = [o.lack_of_fit_p for o in entry["everywhere"].values() if o.lack_of_fit_p is not None]
+    rejected = sum(p < LACK_OF_FIT_ALPHA for p in tested)
+    base = "no base optimum" if v.base_log2_lr is None else f"base optimum {2 ** v.base_log2_lr:.2e}"
+    return [f"With a quadratic over every learning rate instead: {v.outcome}"
+            + (f" (outside: {', '.join(v.outside)})" if v.outside else "")
+            + f", {base}; its lack of fit rejected at {rejected} of {len(tested)} shapes.", ""]
+
+
 def curves_figure(entries: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """One panel per series: each shape's final losses (dots, one per seed), its fitted quadratic over the swept
-    range and its minimum (a star, with the interval as a bar; none when it has no interior minimum)."""
+    """One panel per series: each shape's final losses (dots, one per seed), its fitted quadratic over the learning
+    rates it was fitted to and its minimum (a star, with the interval as a bar; none without an interior minimum)."""
     if not entries:
         return None
     columns = min(3, len(entries))
@@ -165,7 +191,7 @@ def curves_figure(entries: Sequence[dict[str, Any]], path: Path, title: str) -> 
             points = entry["shapes"][name]["points"]
             xs = [math.log2(lr) for lr, ys in points.items() for _ in ys]
             ax.scatter(xs, [y for ys in points.values() for y in ys], s=10, color=color, alpha=0.6)
-            grid_x = np.linspace(min(xs), max(xs), 100)
+            grid_x = np.linspace(max(min(xs), o.window[0]), min(max(xs), o.window[1]), 100)
             ax.plot(grid_x, o.fit.a + o.fit.b * grid_x + o.fit.c * grid_x ** 2, color=color, label=name)
             if o.log2_lr is not None:
                 y = o.fit.a + o.fit.b * o.log2_lr + o.fit.c * o.log2_lr ** 2
@@ -203,14 +229,20 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
                            "learning rate, quadratic fits, minima (stars) with their intervals")
     record = sweep_record(spec, entries)
     level = f"{plan.level * 100:g} %"
+    fit = (f"a least-squares quadratic of the final validation loss against log2(`{plan.lr_key}`) over every "
+           "finished seed; its minimum is the optimum, given only inside the swept range (\"no interior minimum\" "
+           "when the fit curves down, \"below/above the swept range\" when its vertex is beyond it)"
+           if plan.fit == "all" else
+           f"the parabola through the mean final validation loss at the best `{plan.lr_key}` and its two neighbours "
+           "(log2 scale); its vertex is the optimum, not located (\"below/above the swept range\") when the best "
+           "learning rate is the first or last swept")
     lines = ["## Learning-rate transfer", "",
-             f"Per shape, a least-squares quadratic of the final validation loss against log2(`{plan.lr_key}`) "
-             f"over every finished seed; its minimum is the optimum, given only inside the swept range (\"no "
-             f"interior minimum\" when the fit curves down, \"below/above the swept range\" when its vertex is "
-             f"beyond it). The interval is the {level} percentile bootstrap ({plan.resamples} resamples, seed "
+             f"Per shape, {fit}. The interval is the {level} percentile bootstrap ({plan.resamples} resamples, seed "
              f"{plan.seed}) resampling the seeds within each learning rate (expanded for few seeds: "
-             "docs/lr-transfer.md). A series transfers when every shape's interval lies within "
-             f"±{plan.tolerance:g} octave of the base shape's optimum "
+             "docs/lr-transfer.md)" + ("" if plan.fit == "all" else ", the best learning rate picked again in each")
+             + ". The last column tests the quadratic over every learning rate against the seeds' scatter "
+             f"(pure-error F test; rejected below p = {LACK_OF_FIT_ALPHA:g}). A series transfers when every shape's "
+             f"interval lies within ±{plan.tolerance:g} octave of the base shape's optimum "
              f"(base: {shape_label(plan.base, plan.shape_keys)}). "
              f"Each run: {record['max_tokens']:,} tokens in batches of {record['global_batch_tokens']:,}"
              + (f", {record['tokens_per_param']:.1f} tokens per parameter at the base shape"
@@ -228,16 +260,19 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
                                columns=series_rows(entry, plan.tolerance)[0]).to_markdown(
                       index=False, disable_numparse=True), "",
                   f"**{v.outcome}**" + (f" (outside: {', '.join(v.outside)})" if v.outside else "")
-                  + f"; shift of the optimum: {shifts}.", "", wider_text(entry["wider"]), ""]
+                  + f"; shift of the optimum: {shifts}.", "", *compared_text(entry), wider_text(entry["wider"]), ""]
         summary["series"].append({
             "label": entry["label"], "values": entry["values"], "base": entry["base"], "outcome": v.outcome,
             "base_log2_lr": v.base_log2_lr, "base_lr": None if v.base_log2_lr is None else 2 ** v.base_log2_lr,
             "outside": list(v.outside), "width_shift": v.width_shift, "depth_shift": v.depth_shift,
-            "wider_is_better": entry["wider"],
+            "wider_is_better": entry["wider"], "fit": plan.fit,
+            "all_points": None if (w := entry["everywhere_verdict"]) is None else {
+                "outcome": w.outcome, "base_log2_lr": w.base_log2_lr, "outside": list(w.outside)},
             "shapes": {name: {"values": entry["shapes"][name]["values"], "status": o.status, "log2_lr": o.log2_lr,
                               "interval": None if o.interval is None else list(o.interval), "seeds": o.seeds,
                               "no_minimum_share": o.no_minimum_share, "params": entry["shapes"][name]["params"],
-                              "fit": [o.fit.a, o.fit.b, o.fit.c]}
+                              "fit": [o.fit.a, o.fit.b, o.fit.c], "window": list(o.window),
+                              "lack_of_fit_p": entry["everywhere"][name].lack_of_fit_p}
                        for name, o in entry["optima"].items()}})
     if not entries:
         lines += ["No shape has finished cells at three learning rates yet.", ""]
