@@ -13,7 +13,7 @@
 # token cache kept), VENV (default .venv, else .venv-gpu built by BASE_PYTHON (python3) from the wheels in
 # WHEELHOUSE (.whl)), STEP_TIMEOUT (seconds per command), ARCHS (default: every registered architecture), DEEP_ARCHS
 # (the 24-layer runs), CPU_THREADS (1), CPU_COMPILE_BACKEND (aot_eager), PARALLEL (1: two lanes of steps on a CPU),
-# TRANSFER_PRESET (what `satlab transfer` wrote; default experiments/transferred/paper_small-satformer-completep.yaml,
+# TRANSFER_PRESET (what `satlab transfer` wrote; default experiments/transferred/paper_small_satformer-completep.yaml,
 # SKIP when absent), TRANSFER_STEPS (steps of each of its three runs), TRANSFER_SLACK (nats, default 0.01).
 set -uo pipefail  # no -e: a failed step is reported and the next one runs
 cd "$(dirname "$0")/.."
@@ -245,7 +245,7 @@ step_sharded() {
 
 # --- transfer: the preset `satlab transfer` wrote, at its learning rate and at 0.5x and 2x -------------------------
 step_transfer() {
-  local preset=${TRANSFER_PRESET:-experiments/transferred/paper_small-satformer-completep.yaml}
+  local preset=${TRANSFER_PRESET:-experiments/transferred/paper_small_satformer-completep.yaml}
   if [ ! -f "$preset" ]; then
     echo "note: no transferred preset at $preset: run the LR-transfer study, then satlab transfer (docs/lr-transfer.md)"
     return 77

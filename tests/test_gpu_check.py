@@ -114,10 +114,14 @@ def test_the_wheelhouse_carries_what_the_gpu_image_lacks_and_never_its_cuda_stac
 
 
 def test_the_transfer_step_looks_where_satlab_transfer_writes_by_default() -> None:
-    """The step's default preset is the file `satlab transfer --target paper/small` writes for SATFormer under
-    completep, so a finished study feeds the GPU check without a variable to set."""
+    """The step's default preset is the file `satlab transfer --target paper/small/satformer` writes under
+    completep (a target that resolves to one preset), so a finished study feeds the GPU check without a variable."""
     from satlab.cli.transfer import default_out
+    from satlab.config.loader import load_experiment
+    from satlab.config.resolve import resolve
 
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     default = re.search(r"\$\{TRANSFER_PRESET:-([^}]+)\}", script)
-    assert default is not None and default.group(1) == str(default_out("paper/small", "satformer", "completep"))
+    assert load_experiment(resolve("experiment", "paper/small/satformer")).model.arch == "satformer"  # a real target
+    assert default is not None and default.group(1) == str(default_out("paper/small/satformer", "satformer",
+                                                                       "completep"))

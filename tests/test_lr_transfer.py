@@ -13,9 +13,11 @@ import pytest
 import yaml
 
 from satlab.cli.main import main
+from satlab.cli.transfer import default_out
 from satlab.config.errors import ConfigError
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import spec_from_dict
+from satlab.studies.lookup import with_analysis_of
 from satlab.studies.lr_transfer import (
     ABOVE,
     BELOW,
@@ -250,6 +252,20 @@ def test_report_section_with_the_local_fit(tmp_path: Path) -> None:
     assert series["shapes"]["d_model=32 n_layers=2"]["window"] == [-10.0, -8.0]
 
 
+def test_the_report_takes_the_fit_from_the_spec_file_of_the_same_study() -> None:
+    """`satlab report` writes from the spec saved with the study, but its analysis block from the spec file now, as
+    long as the file is the same study (same fingerprint); another study's file changes nothing."""
+    local = {"lr_key": "optim.lr", "width_keys": ["model.d_model"], "depth_keys": ["model.n_layers"],
+             "base": {"model": {"d_model": 32, "n_layers": 2}}, "fit": "local"}
+    stored, now = transfer_spec(), transfer_spec(lr_transfer=local)
+    assert stored.lr_transfer.fit == "all"
+    merged = with_analysis_of(stored, now)
+    assert merged.lr_transfer.fit == "local" and merged.axes == stored.axes
+    other = transfer_spec(lr_transfer=local, overrides={"train.max_tokens": 4096})
+    assert other.fingerprint() != stored.fingerprint()
+    assert with_analysis_of(stored, other).lr_transfer.fit == "all"
+
+
 def test_wider_is_better_holds_only_where_every_wider_model_is_lower_at_every_step() -> None:
     """Every validation after training began; the untrained one (0 tokens), near ln(vocabulary) at every width (here
     the narrow model's a hair lower), is not one of them."""
@@ -272,6 +288,11 @@ def write_summary(tmp_path: Path) -> Path:
     path = tmp_path / "summary.json"
     path.write_text(json.dumps({"name": "t", "parent_run_id": "run42", "lr_transfer": transfer}))
     return path
+
+
+def test_the_default_preset_name_says_the_architecture_once() -> None:
+    assert default_out("paper/small/satformer", "satformer", "completep").name == "paper_small_satformer-completep.yaml"
+    assert default_out("default", "transformer", "mup").name == "default-transformer-mup.yaml"
 
 
 def test_transfer_dry_run_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a finished LR-transfer ablation: its spec name (lr_transfer) or file, its report folder, "
                              "or its summary.json")
     parser.add_argument("--target", required=True, metavar="PRESET",
-                        help="the experiment preset the learning rate is for (e.g. paper/small)")
+                        help="the experiment preset the learning rate is for (e.g. paper/small/satformer)")
     parser.add_argument("--arch", help="the series' architecture (default: the target's model.arch)")
     parser.add_argument("--parametrization", default="completep",
                         help="the series' parametrisation (default completep)")
@@ -77,8 +77,12 @@ FIT_NAMES = {"all": "a quadratic over every learning rate", "local": "a parabola
 
 
 def default_out(target: str, arch: str, parametrization: str) -> Path:
-    """Where a preset is written without --out: ``experiments/transferred/paper_small-satformer-completep.yaml``."""
-    return DEFAULT_FOLDER / f"{target.replace('/', '_')}-{arch}-{parametrization}.yaml"
+    """Where a preset is written without --out, named by the target preset and the parametrisation, with the
+    architecture added when the target's name does not end in it: ``--target paper/small/satformer`` writes
+    ``experiments/transferred/paper_small_satformer-completep.yaml``, ``--target default --arch transformer``
+    ``default-transformer-completep.yaml``."""
+    name = target.replace("/", "_") + ("" if Path(target).name == arch else f"-{arch}")
+    return DEFAULT_FOLDER / f"{name}-{parametrization}.yaml"
 
 
 def swept_head_dim(base: dict[str, Any]) -> int | None:

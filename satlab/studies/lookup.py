@@ -2,11 +2,14 @@
 file, :mod:`satlab.config.resolve`), or the name of an ablation that ran from a spec file elsewhere
 (``satlab ablate path/to/x.yml``, then ``satlab report x``), found by its record: the Optuna study in its default
 folder (the study names its parent run and MLflow store), else a parent run of that name in the MLflow store.
-Either way the report is written from the spec saved on the parent run, the one that ran.
+Either way the report is written from the spec saved on the parent run, the one that ran, except for its analysis
+settings (the ``lr_transfer:`` block), which a spec file of the same study may change after the run
+(:func:`with_analysis_of`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tempfile
@@ -50,7 +53,16 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
     if parent is None:
         raise ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "
                           f"run it first: satlab ablate {target}")
-    return stored_spec(client, parent.info.run_id), client, parent.info.run_id
+    return with_analysis_of(stored_spec(client, parent.info.run_id), spec), client, parent.info.run_id
+
+
+def with_analysis_of(stored: AblationSpec, current: AblationSpec) -> AblationSpec:
+    """The spec that ran, with the analysis settings of ``current`` (the spec file now) when both are the same study
+    (same fingerprint): how the report fits what ran is the report's, not the runs'. Another study's file changes
+    nothing."""
+    if stored.fingerprint() != current.fingerprint() or stored.lr_transfer == current.lr_transfer:
+        return stored
+    return dataclasses.replace(stored, lr_transfer=current.lr_transfer)
 
 
 def recorded_ablation(name: str, tracking_uri: str | None = None) -> tuple[AblationSpec, mlflow.MlflowClient, str]:
