@@ -79,7 +79,8 @@ def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str,
         for name, shape in series["shapes"].items():
             if len(shape["points"]) >= 3 and sum(map(len, shape["points"].values())) >= 4:
                 everywhere[name] = optimum(shape["points"], plan.level, plan.resamples, plan.seed)
-                local[name] = local_optimum(shape["points"], plan.level, plan.resamples, plan.seed)
+                if plan.fit == "local":  # the all-points fit is always needed: its lack-of-fit column
+                    local[name] = local_optimum(shape["points"], plan.level, plan.resamples, plan.seed)
         optima = local if plan.fit == "local" else everywhere
         on = {name: series["shapes"][name]["values"] for name in optima}
         width = sorted((n for n, v in on.items() if all(v[k] == plan.base[k] for k in plan.depth_keys)),
