@@ -220,6 +220,11 @@ def test_a_check_killed_part_way_resumes_at_the_first_model_it_had_not_finished(
     calls.clear()  # other settings measure anew: nothing kept under them is read
     assert main([*args, "--steps", "4", "--out", str(out)]) == 0  # the last --steps counts
     assert len(calls) == 8
+    calls.clear()  # so does another batch
+    assert main([*args, "--batch", "2", "--seq-len", "8", "--out", str(out)]) == 0
+    assert len(calls) == 8
+    settings = json.loads((out / "coord.json").read_text())["settings"]
+    assert (settings["batch"], settings["seq_len"]) == (2, 8)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -232,6 +237,9 @@ def test_a_check_killed_part_way_resumes_at_the_first_model_it_had_not_finished(
     (["--seeds", "0,0"], "--seeds takes distinct non-negative integers"),
     (["--seeds", "1,x"], "--seeds takes distinct non-negative integers"),
     (["--head-dim", "3"], "--head-dim must be an even integer"),
+    (["--batch", "0"], "--batch must be >= 1 and --seq-len in [2, 1024]"),
+    (["--seq-len", "1"], "--batch must be >= 1 and --seq-len in [2, 1024]"),
+    (["--seq-len", "1025"], "--batch must be >= 1 and --seq-len in [2, 1024]"),
     (["--parametrization", "completepp"], "parametrization"),
     (["optim.lr=-1"], "optim.lr"),
 ])

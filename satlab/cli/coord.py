@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from satlab.bench.coord_settings import (
+    BATCH,
     DEFAULT_DEPTHS,
     DEFAULT_SEEDS,
     DEFAULT_STEPS,
@@ -17,16 +18,20 @@ from satlab.bench.coord_settings import (
     FIRST_CHECKED_STEP,
     HEAD_DIM,
     NOT_COMPARED,
+    SEQ_LEN,
     CoordSettings,
     shapes,
 )
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, shown, unknown_name
+from satlab.config.model import SIZE_PRESETS
 from satlab.console import console as make_console
 
 MEASUREMENTS = "measurements"
 """The folder under ``--out`` where each model's measurement is kept as it finishes; a rerun with the same settings
 reuses them, so a killed check resumes."""
+MAX_SEQ_LEN = SIZE_PRESETS["tiny"]["max_seq_len"]
+"""The longest sequence of the check: the context of the tiny preset, which every model of the check is built from."""
 DEFAULTS = {"widths": ",".join(map(str, DEFAULT_WIDTHS)), "depths": ",".join(map(str, DEFAULT_DEPTHS))}
 
 
@@ -40,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated seeds; each RMS is their geometric mean (default: 0,1,2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"AdamW steps on the fixed batch (default {DEFAULT_STEPS})")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"sequences in the fixed batch (default {BATCH})")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN,
+                        help=f"byte tokens per sequence of the fixed batch (default {SEQ_LEN}, at most {MAX_SEQ_LEN})")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
                         help=f"fixed head dim: heads = width / head dim (default {HEAD_DIM})")
     parser.add_argument("--parametrization", default=None,
@@ -93,6 +102,9 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
     if not FIRST_CHECKED_STEP <= args.steps <= 1000:
         problems.append(f"--steps must be in [{FIRST_CHECKED_STEP}, 1000] (the verdict reads steps "
                         f"{FIRST_CHECKED_STEP} on, and the check looks at the first steps), got {args.steps}")
+    if args.batch < 1 or not 2 <= args.seq_len <= MAX_SEQ_LEN:
+        problems.append(f"--batch must be >= 1 and --seq-len in [2, {MAX_SEQ_LEN}] (the models' context), got "
+                        f"{args.batch} and {args.seq_len}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         problems.append(f"--out {shown(args.out)} is a file; it names the folder the check writes into")
@@ -102,7 +114,8 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
 
     extra = [f"model.parametrization={args.parametrization}"] if args.parametrization is not None else []
     settings = CoordSettings(archs=archs, seeds=seeds, widths=widths, depths=depths, steps=args.steps,
-                             overrides=[*extra, *args.overrides], head_dim=args.head_dim)
+                             overrides=[*extra, *args.overrides], head_dim=args.head_dim,
+                             batch=args.batch, seq_len=args.seq_len)
     for shape in shapes(settings):
         shape_config(shape, settings)  # raises ConfigError with every problem of the overrides
     return settings
