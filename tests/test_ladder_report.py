@@ -12,10 +12,10 @@ import pytest
 from test_ladder import ladder_spec, write
 
 from satlab.studies import ladder as L
-from satlab.studies.ladder_report import ladder_section, seed_spread
+from satlab.studies.ladder_report import ladder_runs, ladder_section, seed_spread
 from satlab.studies.loader import load_ablation
 from satlab.studies.results import CellResult, GroupResult
-from satlab.studies.scaling_fit import RunPoints, ScalingLaw
+from satlab.studies.scaling_fit import GRIDS, RunPoints, ScalingLaw, fit_law
 from satlab.studies.scaling_sim import law_with_multiplier
 
 TRUE = ScalingLaw(E=1.5, A=30.0, B=60.0, alpha=0.35, beta=0.3)
@@ -101,3 +101,54 @@ def test_a_simulated_ladder_of_one_run_per_budget_draws_each_runs_seed_noise_on_
     shared = simulate_runs(TRUE, Ladder(sizes=(1e4, 2e4, 4e4), tokens_per_param=(10.0, 20.0), seeds=(2, 1, 1)),
                            np.random.default_rng(0), run_sd=0.1)
     assert len(shared) == 4 and all(len(r.D) == 2 for r in shared)  # one run decayed at both budgets
+
+
+def test_the_pooled_seed_spread_compares_each_architecture_only_with_its_own_seeds(tmp_path: Path) -> None:
+    from satlab.studies.ladder_report import pooled_seed_spread
+
+    spec, _ = finished(tmp_path, multiplier=1.0)
+    rung = L.plan(spec)[0]
+
+    def runs(*logs: float) -> list[tuple[L.Rung, RunPoints]]:
+        return [(rung, RunPoints("r", 1e4, (100.0,), (math.exp(x),))) for x in logs]
+
+    # one arch's seeds 0.2 apart (0.02, 1 dof), the other's 0.1 around 2.0 (0.02, 2 dof); the archs 1 nat apart
+    spread, dof = pooled_seed_spread({"transformer": runs(1.0, 1.2), "satformer": runs(1.9, 2.0, 2.1)})
+    assert (spread, dof) == (pytest.approx(math.sqrt(0.04 / 3)), 3)
+    assert pooled_seed_spread({"transformer": runs(1.0), "satformer": runs(2.0)}) == (0.0, 0)
+
+
+def test_the_simulation_can_take_its_law_and_noise_from_the_ladders_finished_runs(tmp_path: Path, monkeypatch,
+                                                                                   capsys) -> None:
+    """--law fitted --run-sd measured: the reference's law fitted to the finished runs (TRUE here), and their seed
+    spread; refused, exit 2, where the runs cannot give them."""
+    import satlab.studies.lookup as lookup
+    import satlab.studies.results as results
+    import satlab.studies.scaling_sim as scaling_sim
+    from satlab.cli.main import main
+
+    spec, groups = finished(tmp_path, multiplier=1.0, noise=0.01)
+    monkeypatch.setattr(lookup, "open_ablation", lambda target: (spec, None, "parent"))
+    monkeypatch.setattr(results, "collect", lambda *a, **k: groups)
+    target = str(tmp_path / f"{spec.name}.yml")
+    simulate = ["ladder", target, "--simulate", "--replicates", "2", "--sim-resamples", "3"]
+    real, used = scaling_sim.simulate_fits, []
+    monkeypatch.setattr(scaling_sim, "simulate_fits", lambda *a, **k: used.append(k) or real(*a, **k))
+    assert main([*simulate, "--law", "fitted", "--run-sd", "measured"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    reference = [run for _, run in ladder_runs(spec, groups, L.plan(spec))["transformer"]]
+    law = fit_law(reference, spec.ladder.fit.huber_delta, GRIDS[spec.ladder.fit.grid])
+    assert f"the true law fitted to the 18 finished transformer runs (E {law.E:.3g}, A {law.A:.3g}" in printed
+    spread = float(printed.split("seed noise ")[1].split()[0])
+    assert 0.004 < spread < 0.02 and "seed noise measured on the finished runs (12 degrees of freedom)" in printed
+    assert printed.count("N* = 1e+10") == 2
+    assert [k["reference"] for k in used] == [law, law] and [k["run_sd"] for k in used] == [pytest.approx(spread,
+                                                                                                        rel=1e-2)] * 2
+    two_rungs = [g for g in groups if g.values["model.d_model"] in (16, 24)]
+    monkeypatch.setattr(results, "collect", lambda *a, **k: two_rungs)
+    assert main([*simulate, "--law", "fitted"]) == 2
+    assert "at 3 or more rungs" in capsys.readouterr().err
+    one_seed = [g for g in groups if g.values["model.d_model"] in (32, 48)]
+    monkeypatch.setattr(results, "collect", lambda *a, **k: one_seed)
+    assert main([*simulate, "--run-sd", "measured"]) == 2
+    assert "needs two finished seeds of one rung and budget" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -13,6 +14,9 @@ from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation
+
+if TYPE_CHECKING:
+    from satlab.studies.scaling_fit import ScalingLaw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicates", type=int, default=100, metavar="N", help="--simulate: ladders per multiplier")
     parser.add_argument("--sim-resamples", type=int, default=100, metavar="N",
                         help="--simulate: bootstrap refits per simulated ladder")
-    parser.add_argument("--run-sd", type=float, default=0.01, metavar="SD",
-                        help="--simulate: seed noise of a run on log loss (default 0.01, satlab's tiny runs)")
+    parser.add_argument("--run-sd", default="0.01", metavar="SD",
+                        help="--simulate: seed noise of a run on log loss (default 0.01, satlab's tiny runs), or "
+                             "'measured': the seed spread of this ladder's finished runs")
+    parser.add_argument("--law", choices=("epoch", "fitted"), default="epoch",
+                        help="--simulate: the true law of the reference architecture: Epoch's Chinchilla estimates "
+                             "(default; known before any run), or 'fitted': the law fitted to this ladder's finished "
+                             "runs of the reference architecture (at least 3 rungs)")
     parser.add_argument("--fit", action="store_true",
                         help="run nothing: fit the finished ladder and write its report (refused while a cell is "
                              "unfinished; `satlab report` writes a partial one)")
@@ -61,42 +70,91 @@ def run(args: argparse.Namespace) -> int:
     if args.fit:
         return fit_ladder(spec, args.spec)
     if args.simulate:
-        return simulate(spec, args.replicates, args.sim_resamples, args.run_sd)
+        return simulate(spec, args.replicates, args.sim_resamples, args.run_sd, args.law, args.spec)
     return run_grid(spec, args.workers, args.storage, not args.no_report)
 
 
-def simulate(spec: AblationSpec, replicates: int, resamples: int, run_sd: float) -> int:
+def simulate(spec: AblationSpec, replicates: int, resamples: int, run_sd_text: str, law_name: str = "epoch",
+             target: str | None = None) -> int:
     """Coverage, false gains (m = 1) and power (m = 2) of the report's claim at the top rung's size (inside the
-    ladder) and at each target size (extrapolated), on simulated ladders of this one's shape."""
+    ladder) and at each target size (extrapolated), on simulated ladders of this one's shape. The true law is
+    Epoch's, or (``law_name`` "fitted") the one fitted to the ladder's finished runs of its reference architecture;
+    ``run_sd_text`` a number or "measured" (the finished runs' pooled seed spread)."""
     import dataclasses
 
     from satlab.studies import ladder as L
     from satlab.studies.scaling_fit import compute_for_size
     from satlab.studies.scaling_sim import EPOCH_LAW, Ladder, score, simulate_fits
 
-    if replicates < 2 or resamples < 2 or not run_sd >= 0:
-        raise ConfigError(f"--replicates and --sim-resamples must be >= 2 and --run-sd >= 0 (got {replicates}, "
-                          f"{resamples}, {run_sd})")
+    measured = run_sd_text == "measured"
+    try:
+        run_sd = math.nan if measured else float(run_sd_text)
+    except ValueError:
+        run_sd = math.nan
+    if replicates < 2 or resamples < 2 or not (measured or run_sd >= 0):
+        raise ConfigError(f"--replicates and --sim-resamples must be >= 2 and --run-sd a number >= 0 or 'measured' "
+                          f"(got {replicates}, {resamples}, {run_sd_text!r})")
+    law, source = EPOCH_LAW, "Epoch's Chinchilla fit"
+    if measured or law_name == "fitted":
+        fitted, spread, dof, runs = finished_ladder(spec, target or spec.name)
+        if law_name == "fitted":
+            if fitted is None:
+                raise ConfigError(f"--law fitted needs finished runs of the reference architecture "
+                                  f"'{spec.ladder.reference}' at 3 or more rungs; the ladder '{spec.name}' has "
+                                  f"{runs}: run more of it (satlab ladder {target}) or use --law epoch")
+            law, source = fitted, (f"fitted to the {runs} finished {spec.ladder.reference} runs (E {fitted.E:.3g}, "
+                                   f"A {fitted.A:.3g}, alpha {fitted.alpha:.3g}, B {fitted.B:.3g}, "
+                                   f"beta {fitted.beta:.3g})")
+        if measured:
+            if dof == 0:
+                raise ConfigError(f"--run-sd measured needs two finished seeds of one rung and budget; the ladder "
+                                  f"'{spec.name}' has none yet: give --run-sd a number (e.g. 0.01)")
+            run_sd = spread
+            source += f"; seed noise measured on the finished runs ({dof} degrees of freedom)"
     rungs = L.plan(spec)
     shape = Ladder(sizes=tuple(float(r.counted) for r in rungs), tokens_per_param=tuple(spec.ladder.budgets),
                    seeds=tuple(r.seeds for r in rungs), runs_per_budget=True)
     sizes = {"top rung": shape.sizes[-1], **{f"N* = {n:.0e}": n for n in spec.ladder.fit.target_params}}
     table = Table(title=f"ladder '{spec.name}' simulated: {replicates} ladders per multiplier, {resamples} "
-                        f"bootstrap refits each, seed noise {run_sd:g} on log loss, the true law Epoch's Chinchilla "
-                        f"fit; claim at the {spec.ladder.fit.level:g} interval")
+                        f"bootstrap refits each, seed noise {run_sd:.3g} on log loss, the true law {source}; claim "
+                        f"at the {spec.ladder.fit.level:g} interval")
     for column in ("true multiplier", "at", "coverage", "gain claimed", "loss claimed", "not resolved"):
         table.add_column(column, justify="left" if column == "at" else "right")
     for m in (1.0, 2.0):
-        sim = simulate_fits(m, shape, replicates=replicates, resamples=resamples, run_sd=run_sd,
+        sim = simulate_fits(m, shape, reference=law, replicates=replicates, resamples=resamples, run_sd=run_sd,
                             seed=spec.ladder.fit.seed)
         for label, n in sizes.items():
-            result = score(dataclasses.replace(sim, C=compute_for_size(EPOCH_LAW, n)), spec.ladder.fit.level)
+            result = score(dataclasses.replace(sim, C=compute_for_size(law, n)), spec.ladder.fit.level)
             table.add_row(f"{m:g}", label, *(f"{v:.2f} ± {result.mc_se(v):.2f}" for v in
                                              (result.coverage, result.gain, result.loss, result.not_resolved)))
     make_console().print(table)
     print("A gain claimed under multiplier 1 is a false gain (at most 0.05 by design); under 2 it is the power. "
           "The rates are Monte Carlo estimates (± their standard errors).")
     return 0
+
+
+def finished_ladder(spec: AblationSpec, target: str) -> tuple[ScalingLaw | None, float, int, int]:
+    """From the ladder's finished runs, as the report reads them: the reference architecture's fitted law (None
+    below 3 rungs), the seed spread pooled over architectures, its degrees of freedom, and the reference's run
+    count."""
+    from satlab.studies.ladder import plan
+    from satlab.studies.ladder_report import ladder_runs, pooled_seed_spread
+    from satlab.studies.lookup import open_ablation
+    from satlab.studies.results import collect
+    from satlab.studies.scaling_fit import GRIDS, fit_law
+
+    try:
+        spec, client, parent_run_id = open_ablation(target)
+    except ConfigError as e:
+        raise ConfigError(f"the ladder '{spec.name}' has not run yet, so it has no finished runs to take a law or a "
+                          f"seed spread from ({'; '.join(e.problems)}): run it with satlab ladder {target}, or "
+                          f"simulate with --law epoch and a number for --run-sd") from None
+    found = ladder_runs(spec, collect(spec, client, parent_run_id), plan(spec))
+    spread, dof = pooled_seed_spread(found)
+    reference = [run for _, run in found.get(spec.ladder.reference, [])]
+    fit = spec.ladder.fit
+    law = fit_law(reference, fit.huber_delta, GRIDS[fit.grid]) if len({r.N for r in reference}) >= 3 else None
+    return law, spread, dof, len(reference)
 
 
 def fit_ladder(spec: AblationSpec, target: str) -> int:

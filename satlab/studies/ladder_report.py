@@ -71,6 +71,20 @@ def ladder_runs(spec: AblationSpec, groups: Sequence[GroupResult], rungs: Sequen
 
 def seed_spread(runs: Sequence[tuple[Rung, RunPoints]]) -> float:
     """The pooled standard deviation of log loss between seeds of one (rung, budget): the noise of a new run."""
+    squares, dof = _spread_terms(runs)
+    return math.sqrt(squares / dof) if dof else 0.0
+
+
+def pooled_seed_spread(found: dict[str, list[tuple[Rung, RunPoints]]]) -> tuple[float, int]:
+    """:func:`seed_spread` pooled over architectures (each compared only with its own seeds), and its degrees of
+    freedom (0: no point has two seeds yet)."""
+    terms = [_spread_terms(runs) for runs in found.values()]
+    squares, dof = sum(t[0] for t in terms), sum(t[1] for t in terms)
+    return (math.sqrt(squares / dof) if dof else 0.0), dof
+
+
+def _spread_terms(runs: Sequence[tuple[Rung, RunPoints]]) -> tuple[float, int]:
+    """Sum of squared deviations of log loss from each (rung, budget)'s seed mean, and its degrees of freedom."""
     by_point: dict[tuple[int, float], list[float]] = {}
     for rung, run in runs:
         by_point.setdefault((rung.index, run.D[0]), []).append(math.log(run.L[0]))
@@ -79,7 +93,7 @@ def seed_spread(runs: Sequence[tuple[Rung, RunPoints]]) -> float:
         if len(logs) > 1:
             squares += float(np.sum((np.array(logs) - np.mean(logs)) ** 2))
             dof += len(logs) - 1
-    return math.sqrt(squares / dof) if dof else 0.0
+    return squares, dof
 
 
 def backtest(spec: AblationSpec, runs: Sequence[tuple[Rung, RunPoints]], top: int) -> dict[str, Any] | None:
