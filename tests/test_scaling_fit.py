@@ -215,3 +215,17 @@ def test_bad_arguments_are_refused() -> None:
         compute_multiplier(KNOWN, KNOWN, -1.0)
     with pytest.raises(ValueError, match="3 distinct compute values"):
         fit_compute_law([1e18, 1e18, 1e19, 1e19], [3.0, 3.0, 2.5, 2.5])
+
+
+def test_the_lbfgs_direction_stays_finite_when_the_newest_curvature_pair_underflows() -> None:
+    """s . y > 0 (so the pair was kept) while y . y underflows to 0: the initial scaling falls back to 1 / |g|
+    instead of dividing by zero."""
+    from satlab.studies.scaling_lbfgs import MEMORY, _direction
+
+    g = np.array([[1.0, -2.0, 0.5]])
+    S, Y, rho = np.zeros((MEMORY, 1, 3)), np.zeros((MEMORY, 1, 3)), np.zeros((MEMORY, 1))
+    S[0, 0], Y[0, 0] = [1.0, 0.0, 0.0], [1e-170, 0.0, 0.0]
+    rho[0, 0] = 1.0 / 1e-170
+    with np.errstate(all="raise"):
+        d = _direction(g, S, Y, rho, np.array([0]), np.array([0]))
+    assert np.all(np.isfinite(d)) and float(d[0] @ g[0]) < 0  # a finite descent direction

@@ -58,7 +58,7 @@ def _direction(g: np.ndarray, S: np.ndarray, Y: np.ndarray, rho: np.ndarray, new
         q -= alphas[j][:, None] * yv
     s_new, y_new = S[newest, rows], Y[newest, rows]
     yy = np.einsum("ij,ij->i", y_new, y_new)
-    has = rho[newest, rows] > 0
+    has = (rho[newest, rows] > 0) & (yy > np.finfo(float).tiny)  # y . y can underflow though s . y > 0
     gamma = np.where(has, np.einsum("ij,ij->i", s_new, y_new) / np.where(has, yy, 1.0),
                      1.0 / np.maximum(np.linalg.norm(g, axis=1), 1e-300))
     z = gamma[:, None] * q
