@@ -152,3 +152,9 @@ def test_the_simulation_can_take_its_law_and_noise_from_the_ladders_finished_run
     monkeypatch.setattr(results, "collect", lambda *a, **k: one_seed)
     assert main([*simulate, "--run-sd", "measured"]) == 2
     assert "needs two finished seeds of one rung and budget" in capsys.readouterr().err
+
+
+def test_an_unbounded_trend_prints_as_infinity() -> None:
+    from satlab.studies.ladder_report import _signed
+
+    assert [_signed(x) for x in (0.1234, -0.5, math.inf, -math.inf)] == ["+0.123", "-0.500", "+∞", "−∞"]

@@ -6,6 +6,7 @@ false-gain rate (with broken intervals as negative controls), and bad input."""
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,17 @@ def test_multiplier_of_a_law_against_itself_is_one_and_a_built_in_one_is_recover
     m = law_with_multiplier(KNOWN, 2.0)
     laws, refs = [m, m, m], [KNOWN, KNOWN, KNOWN]
     assert multiplier_trend(laws, refs, (1e18, 1e24), law=m, reference=KNOWN).point == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_trend_through_a_loss_the_reference_never_reaches_is_unbounded_not_a_huge_number() -> None:
+    """The reference's floor E above the law's frontier at the top of the range: an infinite log multiplier there,
+    so the slope is +inf (it was printed as a 299-digit number)."""
+    low_floor = ScalingLaw(E=KNOWN.E - 0.5, A=KNOWN.A, B=KNOWN.B, alpha=KNOWN.alpha, beta=KNOWN.beta)
+    assert math.isinf(compute_multiplier(low_floor, KNOWN, 1e26))
+    trend = multiplier_trend([low_floor] * 3, [KNOWN] * 3, (1e18, 1e26), law=low_floor, reference=KNOWN)
+    assert (trend.point, trend.lower, trend.upper) == (math.inf, math.inf, math.inf)
+    finite = multiplier_trend([low_floor] * 3, [KNOWN] * 3, (1e18, 1e19), law=low_floor, reference=KNOWN)
+    assert math.isfinite(finite.point) and finite.point > 0  # below the floor's reach the gain grows with compute
 
 
 def test_compute_for_size_and_the_optimum_agree_with_the_closed_form() -> None:

@@ -215,6 +215,10 @@ def figure(result: dict[str, Any], path: Path, title: str) -> Path | None:
     return save_figure(fig, path, title)
 
 
+def _signed(x: float) -> str:
+    return f"{x:+.3f}" if math.isfinite(x) else ("+∞" if x > 0 else "−∞")
+
+
 def _interval(row: dict[str, Any]) -> str:
     def f(x: float) -> str:
         return "∞" if not math.isfinite(x) else f"{x:.3g}"
@@ -255,7 +259,7 @@ def ladder_section(spec: AblationSpec, groups: Sequence[GroupResult], out: Path)
                   "trend (measured)", "trend (extrapolated)"]
         rows = []
         for arch, m in result["multipliers"].items():
-            trend = [f"{t['slope']:+.3f} [{t['lower']:+.3f}, {t['upper']:+.3f}]" if t else "—"
+            trend = [f"{_signed(t['slope'])} [{_signed(t['lower'])}, {_signed(t['upper'])}]" if t else "—"
                      for t in (m["trend"].get("measured"), m["trend"].get("extrapolated"))]
             rows.append([names.get(arch, arch), f"{_interval(m['top_compute'])}: {m['top_compute']['claim']}",
                          *(f"{_interval(m['targets'][t])}: {m['targets'][t]['claim']}" for t in targets), *trend])

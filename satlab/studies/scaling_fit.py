@@ -28,6 +28,9 @@ from scipy.optimize import minimize
 from satlab.studies.scaling_lbfgs import batched_lbfgs, huber_lse
 
 FlopsPerToken = Callable[[np.ndarray], np.ndarray]
+UNBOUNDED_SLOPE = 1e250
+"""A trend slope this large comes from an infinite log multiplier (a loss the reference never reaches, held as ±1e300
+so that the bootstrap slopes sort): it is reported as ±inf."""
 CLAIM_LEVEL = 0.9  # the claim rule reads the 90 % interval: a one-sided 5 % test either way
 PARAMETERS = ("A", "B", "E", "alpha", "beta")
 
@@ -379,9 +382,12 @@ def multiplier_trend(laws: Sequence[ScalingLaw], reference_laws: Sequence[Scalin
         logm = np.stack([_log_multipliers(P, R, float(np.exp(c)), flops, reference_flops) for c in logc], axis=1)
         return np.nan_to_num(logm, posinf=1e300, neginf=-1e300) @ weights
 
-    point = float(slopes(law_matrix([law]), law_matrix([reference]))[0])
+    def unbounded(slope: float) -> float:  # a slope through an unreachable (held as ±1e300) multiplier
+        return slope if abs(slope) < UNBOUNDED_SLOPE else float(np.copysign(np.inf, slope))
+
+    point = unbounded(float(slopes(law_matrix([law]), law_matrix([reference]))[0]))
     lo, hi = _percentiles(slopes(law_matrix(laws), law_matrix(reference_laws)), level)
-    return Interval(point, lo, hi, level)
+    return Interval(point, unbounded(lo), unbounded(hi), level)
 
 
 def compute_for_size(reference: ScalingLaw, N: float, flops: FlopsPerToken = six_n) -> float:
