@@ -174,7 +174,12 @@ def test_the_simulation_runs_the_ladders_shape_through_the_reports_claim_rule(tm
     assert printed.count("top rung") == 2 and printed.count("N* = 1e+10") == 2  # per multiplier, 1 and 2
     assert satlab_main(["ladder", str(path), "--simulate", "--replicates", "1"]) == 2
     assert "--replicates and --sim-resamples must be >= 2" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    for bad in (["--run-sd", "-0.1"], ["--run-sd", "nan"], ["--run-sd", "some"]):
+        assert satlab_main(["ladder", str(path), "--simulate", *bad]) == 2
+        assert "--run-sd a number >= 0 or 'measured'" in capsys.readouterr().err
+    assert satlab_main(["ladder", str(path), "--simulate", "--law", "fitted"]) == 2  # nothing has run
+    assert "has not run yet, so it has no finished runs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlruns").exists()
 
 
 def test_the_gpu_ladder_states_its_assumed_throughput(capsys) -> None:

@@ -47,12 +47,15 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
     study = GridPlan(spec).recorded_study()
     recorded = study.user_attrs if study is not None else {}
     uri = tracking_uri or recorded.get(A.TRACKING_URI) or resolve_tracking(spec.base_config().tracking.uri, None)[0]
+    never_ran = ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "
+                            f"run it first: satlab ablate {target}")
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        raise never_ran  # opening a client would create an empty store: a lookup writes nothing
     client = mlflow.MlflowClient(uri)
     parent = usable_run(client, recorded.get(A.PARENT_RUN)) if recorded.get(A.TRACKING_URI) == uri else None
     parent = parent or find_parent_run(client, spec) or find_parent_run(client, spec, same_settings=False)
     if parent is None:
-        raise ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "
-                          f"run it first: satlab ablate {target}")
+        raise never_ran
     return with_analysis_of(stored_spec(client, parent.info.run_id), spec), client, parent.info.run_id
 
 
