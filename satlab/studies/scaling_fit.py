@@ -28,9 +28,10 @@ from scipy.optimize import minimize
 from satlab.studies.scaling_lbfgs import batched_lbfgs, huber_lse
 
 FlopsPerToken = Callable[[np.ndarray], np.ndarray]
-UNBOUNDED_SLOPE = 1e250
-"""A trend slope this large comes from an infinite log multiplier (a loss the reference never reaches, held as ±1e300
-so that the bootstrap slopes sort): it is reported as ±inf."""
+SORTABLE_INF = 1e300
+"""An infinite log multiplier (a loss the reference never reaches) is held as ±this, so that bootstrap values sort."""
+UNBOUNDED_SLOPE = SORTABLE_INF * 1e-50
+"""A trend slope this large went through a held infinity: it is reported as ±inf."""
 CLAIM_LEVEL = 0.9  # the claim rule reads the 90 % interval: a one-sided 5 % test either way
 PARAMETERS = ("A", "B", "E", "alpha", "beta")
 
@@ -340,7 +341,7 @@ def compute_multiplier(law: ScalingLaw, reference: ScalingLaw, C: float, flops: 
 
 
 def _percentiles(values: np.ndarray, level: float) -> tuple[float, float]:
-    finite = np.nan_to_num(values, posinf=1e300, neginf=-1e300)  # an unreachable loss sorts as the largest
+    finite = np.nan_to_num(values, posinf=SORTABLE_INF, neginf=-SORTABLE_INF)  # unreachable: sorts as the largest
     return tuple(float(v) for v in np.quantile(finite, [(1.0 - level) / 2.0, (1.0 + level) / 2.0]))
 
 
@@ -380,9 +381,9 @@ def multiplier_trend(laws: Sequence[ScalingLaw], reference_laws: Sequence[Scalin
 
     def slopes(P: np.ndarray, R: np.ndarray) -> np.ndarray:
         logm = np.stack([_log_multipliers(P, R, float(np.exp(c)), flops, reference_flops) for c in logc], axis=1)
-        return np.nan_to_num(logm, posinf=1e300, neginf=-1e300) @ weights
+        return np.nan_to_num(logm, posinf=SORTABLE_INF, neginf=-SORTABLE_INF) @ weights
 
-    def unbounded(slope: float) -> float:  # a slope through an unreachable (held as ±1e300) multiplier
+    def unbounded(slope: float) -> float:
         return slope if abs(slope) < UNBOUNDED_SLOPE else float(np.copysign(np.inf, slope))
 
     point = unbounded(float(slopes(law_matrix([law]), law_matrix([reference]))[0]))
