@@ -13,6 +13,7 @@ probes and how to read the numbers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -236,46 +237,83 @@ def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, 
     configured = module.configure_optimizers()
     optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
     module.train()
-    probes = Probes(module.model)
+
+    def update() -> None:
+        optimizer.step()
+        scheduler.step()
+
+    return probed_steps(module.model, Probes(module.model), lambda: module.loss(inputs, targets), update, steps)
+
+
+def probed_steps(model: nn.Module, probes: Probes, loss_of_batch: Callable[[], torch.Tensor],
+                 update: Callable[[], None], steps: int) -> Measurement:
+    """The check's loop: ``steps`` updates, with the probes recording a forward pass before each and one after the
+    last. ``loss_of_batch`` is the forward pass on the check's batch, ``update`` the optimizer step after the
+    backward pass (no clipping: AdamW's update does not depend on the gradient's scale). The probes are removed at
+    the end."""
     rms: dict[str, list[float]] = {}
     losses: list[float] = []
     start = time.perf_counter()
     try:
         for step in range(steps + 1):
             with probes, torch.set_grad_enabled(step < steps):
-                loss = module.loss(inputs, targets)
+                loss = loss_of_batch()
             losses.append(float(loss.detach()))
             for key, value in probes.collect().items():
                 rms.setdefault(key, [math.nan] * step).append(value)
-            if step < steps:  # no clipping: AdamW's update does not depend on the gradient's scale
-                optimizer.zero_grad(set_to_none=True)
+            if step < steps:
+                model.zero_grad(set_to_none=True)
                 loss.backward()
-                optimizer.step()
-                scheduler.step()
+                update()
     finally:
         probes.remove()
-    params = sum(p.numel() for p in module.model.parameters())
+    params = sum(p.numel() for p in model.parameters())
     return Measurement(rms, losses, time.perf_counter() - start, params)
 
 
-def stored_path(store: Path, shape: Shape, seed: int, settings: CoordSettings) -> Path:
+@dataclass(frozen=True)
+class Implementation:
+    """Whose code builds and trains the models the check measures: satlab's own (:data:`SATLAB`) or another code
+    base's (:mod:`satlab.bench.coord_reference`), measured through the same loop, probes and slopes.
+    ``measure(cfg, shape, inputs, targets, steps)``: one shape at the seed and optimizer settings of ``cfg``."""
+
+    name: str
+    measure: Callable[[ExperimentConfig, Shape, torch.Tensor, torch.Tensor, int], Measurement]
+    params: Callable[[ExperimentConfig, Shape], int]
+    """The parameter count of one shape's model (for ``--dry-run``), built on the meta device."""
+
+
+def satlab_params(cfg: ExperimentConfig, shape: Shape) -> int:
+    from satlab.models import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg.model).parameters())
+
+
+SATLAB = Implementation("satlab", lambda cfg, shape, inputs, targets, steps: measure(cfg, inputs, targets, steps),
+                        satlab_params)
+
+
+def stored_path(store: Path, shape: Shape, seed: int, settings: CoordSettings,
+                implementation: Implementation = SATLAB) -> Path:
     """Where one shape's measurement at one seed is kept: named by the shape and seed, and by a hash of every setting
-    that changes what is measured (steps, the batch, the head dim, the overrides), so a run with other settings
-    never reads it."""
+    that changes what is measured (steps, the batch, the head dim, the overrides, an implementation other than
+    satlab's), so a run with other settings never reads it."""
     measured_by = {"shape": asdict(shape), "seed": seed, "steps": settings.steps, "batch": settings.batch,
                    "seq_len": settings.seq_len, "head_dim": settings.head_dim, "overrides": settings.overrides}
+    if implementation is not SATLAB:
+        measured_by["implementation"] = implementation.name
     digest = hashlib.sha256(json.dumps(measured_by, sort_keys=True).encode()).hexdigest()[:12]
     return store / f"{shape.arch}-{shape.series}-w{shape.width}-d{shape.depth}-seed{seed}-{digest}.json"
 
 
-def measure_stored(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
-                   path: Path | None) -> tuple[Measurement, bool]:
-    """:func:`measure`, kept at ``path`` once done (written whole, then renamed) and read back instead of measured
+def measure_stored(measure_now: Callable[[], Measurement], path: Path | None) -> tuple[Measurement, bool]:
+    """``measure_now()``, kept at ``path`` once done (written whole, then renamed) and read back instead of measured
     when it is there: a check killed part way resumes at the first model it had not finished. (measurement, read
     back?); ``path`` None measures without keeping."""
     if path is not None and path.exists():
         return Measurement(**json.loads(path.read_text())), True
-    measurement = measure(cfg, inputs, targets, steps)
+    measurement = measure_now()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
@@ -347,18 +385,19 @@ def verdict(param: str, width: dict | None, depth: dict | None) -> dict:
 
 
 def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print,
-                prepare: Callable[[nn.Module], None] | None = None, store: Path | None = None) -> dict:
+                prepare: Callable[[nn.Module], None] | None = None, store: Path | None = None,
+                implementation: Implementation = SATLAB) -> dict:
     """Measure every shape, fit the slopes and judge each architecture; the report as plain data (coord.json).
     With ``store`` each measurement is kept there as it finishes and reused by a later call with the same settings
-    (not with ``prepare``, which alters the models)."""
+    (not with ``prepare``, which alters the models). ``implementation`` says whose models are measured."""
     torch.set_num_threads(1)
     inputs, targets = token_batch(settings.batch, settings.seq_len)
-    report: dict = {"settings": asdict(settings), "thresholds": {
+    report: dict = {"settings": asdict(settings), "implementation": implementation.name, "thresholds": {
         "transfer_slope_limit": TRANSFER_SLOPE_LIMIT, "sp_slope_signal": SP_SLOPE_SIGNAL,
         "first_checked_step": FIRST_CHECKED_STEP}, "archs": {}}
     total = time.perf_counter()
     for arch in settings.archs:
-        entry: dict = {"series": {}}
+        entry: dict = {"series": {}, "implementation": implementation.name}
         for series in ("width", "depth"):
             runs = [s for s in shapes(settings) if s.arch == arch and s.series == series]
             measured = []
@@ -370,8 +409,9 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
                     if prepare is not None:
                         seeds.append(measure(cfg, inputs, targets, settings.steps, prepare))
                         continue
-                    path = None if store is None else stored_path(store, shape, seed, settings)
-                    measurement, read_back = measure_stored(cfg, inputs, targets, settings.steps, path)
+                    path = None if store is None else stored_path(store, shape, seed, settings, implementation)
+                    measurement, read_back = measure_stored(
+                        functools.partial(implementation.measure, cfg, shape, inputs, targets, settings.steps), path)
                     seeds.append(measurement)
                     reused += read_back
                 m = seed_mean(seeds)
@@ -392,21 +432,18 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
     return report
 
 
-def plan(settings: CoordSettings, store: Path | None = None) -> list[dict]:
+def plan(settings: CoordSettings, store: Path | None = None, implementation: Implementation = SATLAB) -> list[dict]:
     """What the check would build, without training: per shape its sizes, parameter count (built on the meta
     device), how many of its seeds ``store`` already holds, and the estimated seconds of the rest
     (:data:`SECONDS_PER_GFLOP`, :data:`SECONDS_PER_LAYER_STEP`)."""
-    from satlab.models import build_model
-
     rows = []
     for shape in shapes(settings):
         cfg = shape_config(shape, settings)
-        with torch.device("meta"):
-            params = sum(p.numel() for p in build_model(cfg.model).parameters())
+        params = implementation.params(cfg, shape)
         tokens = settings.batch * settings.seq_len
         gflop = (6 * settings.steps + 2) * params * tokens / 1e9
         seconds = gflop * SECONDS_PER_GFLOP + shape.depth * settings.steps * SECONDS_PER_LAYER_STEP
-        kept = 0 if store is None else sum(stored_path(store, shape, seed, settings).exists()
+        kept = 0 if store is None else sum(stored_path(store, shape, seed, settings, implementation).exists()
                                            for seed in settings.seeds)
         rows.append({**asdict(shape), "heads": cfg.model.n_heads, "mlp_hidden": cfg.model.mlp_hidden,
                      "params": params, "parametrization": parametrization(cfg), "kept": kept,

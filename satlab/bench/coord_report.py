@@ -14,6 +14,8 @@ from pathlib import Path
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from satlab.bench.coord_settings import display_name
+
 SERIES = ("width", "depth")
 
 
@@ -66,7 +68,8 @@ def plot_arch(arch: str, entry: dict, path: Path) -> Path:
                 ax.set_ylabel("log10 RMS", fontsize=7)
     fig.legend(loc="upper center", ncol=min(steps, 11), fontsize=7,
                bbox_to_anchor=(0.5, 1 - 0.3 / fig.get_figheight()))
-    fig.suptitle(f"coordinate check: {arch} ({entry['parametrization']}), RMS of each probed output", fontsize=10)
+    fig.suptitle(f"coordinate check: {display_name(arch, entry)} ({entry['parametrization']}), RMS of each probed "
+                 "output", fontsize=10)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.02, top=1 - 1.2 / fig.get_figheight(), hspace=0.55,
                         wspace=0.2)
     fig.savefig(path, dpi=72)
@@ -94,7 +97,8 @@ def log_to_mlflow(report: dict, paths: list[Path]) -> str:
     run = client.create_run(experiment_id(client, "coord", artifacts), run_name=f"coord-{param}",
                             tags=provenance_tags("+".join(report["archs"]), "coord"))
     run_id = run.info.run_id
-    params = {**report["settings"], **report["thresholds"], "parametrization": param}
+    params = {**report["settings"], **report["thresholds"], "parametrization": param,
+              "implementation": report.get("implementation", "satlab")}
     metrics, tags, now = [], [], int(time.time() * 1000)
     for arch, entry in report["archs"].items():
         for series in SERIES:

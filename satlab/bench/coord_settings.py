@@ -79,3 +79,7 @@ def shapes(settings: CoordSettings) -> list[Shape]:
                                   ("depth", [(width0, d) for d in settings.depths])) for w, d in pairs]
 
 
+def display_name(arch: str, entry: dict) -> str:
+    """The architecture, and whose implementation was measured where it is not satlab's."""
+    implementation = entry.get("implementation", "satlab")
+    return arch if implementation == "satlab" else f"{arch}, {implementation}"

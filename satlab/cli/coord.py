@@ -20,6 +20,7 @@ from satlab.bench.coord_settings import (
     NOT_COMPARED,
     SEQ_LEN,
     CoordSettings,
+    display_name,
     shapes,
 )
 from satlab.config.archs import ARCH_SPECS
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"fixed head dim: heads = width / head dim (default {HEAD_DIM})")
     parser.add_argument("--parametrization", default=None,
                         help="passed on as the override model.parametrization=<value> (default: the config's, sp)")
+    parser.add_argument("--reference", default=None, metavar="DIR",
+                        help="measure CompleteP's reference implementation instead of satlab's models: DIR is a "
+                             "checkout of EleutherAI/nanoGPT-mup at branch completep (its plain GPT-2 block, so "
+                             "--archs transformer only; docs/coord-check.md)")
     parser.add_argument("--out", default="reports/coord", help="output folder (default: reports/coord)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not record an MLflow run")
     parser.add_argument("--dry-run", action="store_true",
@@ -90,7 +95,17 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
     """The check's settings from the command line, every shape's config built (so a bad override, or a
     parametrisation the config does not know, is refused before anything runs); raises ConfigError."""
     problems: list[str] = []
+    reference = getattr(args, "reference", None)
     archs = list(ARCH_SPECS) if args.archs == "all" else [a.strip() for a in args.archs.split(",") if a.strip()]
+    if reference is not None:
+        archs = ["transformer"] if args.archs == "all" else archs
+        if archs != ["transformer"]:
+            problems.append(f"--reference measures the reference's plain Transformer only: leave --archs out or "
+                            f"pass --archs transformer, got {shown(args.archs)}")
+        if args.parametrization not in (None, "completep"):
+            problems.append(f"--reference measures CompleteP's reference implementation: leave --parametrization "
+                            f"out or pass completep, got {shown(args.parametrization)}")
+        args.parametrization = "completep"
     problems += [unknown_name("architecture", a, ARCH_SPECS) for a in archs if a not in ARCH_SPECS]
     if not archs:
         problems.append(f"--archs names no architecture; valid: all or a list of {', '.join(ARCH_SPECS)}")
@@ -121,20 +136,36 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
     return settings
 
 
+def implementation_of(args: argparse.Namespace, settings: CoordSettings):
+    """Whose models the check measures: satlab's, or with ``--reference`` the reference's (ConfigError when the
+    folder does not hold it)."""
+    from satlab.bench.coord import SATLAB
+
+    if args.reference is None:
+        return SATLAB
+    from satlab.bench.coord_reference import reference_implementation
+
+    try:
+        return reference_implementation(Path(args.reference), settings.head_dim, settings.seq_len)
+    except ValueError as error:
+        raise ConfigError([f"--reference {error}"]) from None
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_of(args)
+    implementation = implementation_of(args, settings)
     console = make_console()
     out = Path(args.out)
     if args.dry_run:
         from satlab.bench.coord import plan
 
-        console.print(plan_table(plan(settings, out / MEASUREMENTS), settings))
+        console.print(plan_table(plan(settings, out / MEASUREMENTS, implementation), settings))
         return 0
     from satlab.bench.coord import coord_check
     from satlab.bench.coord_report import log_to_mlflow, write_outputs
 
     report = coord_check(settings, progress=lambda line: console.print(line, highlight=False),
-                         store=out / MEASUREMENTS)
+                         store=out / MEASUREMENTS, implementation=implementation)
     paths = write_outputs(report, out)
     console.print(verdict_table(report))
     print(f"wrote {', '.join(str(p) for p in paths)}")
@@ -170,7 +201,7 @@ def verdict_table(report: dict) -> Table:
         for series in ("width", "depth"):
             w = entry["series"][series]["worst"]
             cells.append("—" if w is None else f"{abs(w['slope']):.2f} ({escape(w['probe'])}, {w['step']})")
-        table.add_row(arch, *cells, entry["verdict"]["rule"], entry["verdict"]["result"])
+        table.add_row(escape(display_name(arch, entry)), *cells, entry["verdict"]["rule"], entry["verdict"]["result"])
     table.caption = (f"thresholds fixed in satlab/bench/coord_settings.py: mup/completep |slope| < "
                      f"{thresholds['transfer_slope_limit']}; the sp control needs some |slope| > "
                      f"{thresholds['sp_slope_signal']}; took {report['seconds']:.0f} s"
