@@ -102,7 +102,7 @@ def test_verdicts_follow_the_fixed_thresholds():
 def test_every_probe_of_an_architecture_is_recorded_at_every_step(arch, own):
     settings = CoordSettings(archs=[arch], **TINY)
     cfg = shape_config(Shape(arch, "depth", 32, 2), settings)
-    m = measure(cfg, *token_batch(2, 16), steps=1)
+    m = measure(cfg, [token_batch(2, 16)] * 2)  # one step, then the forward after it
     common = {"embed", "logits", "attn_logits[first]", "attn_logits[last]", "attn_out[all]", "mlp_out[all]"}
     assert common | own <= set(m.rms)
     assert all(len(values) == 2 for values in m.rms.values())
@@ -303,3 +303,19 @@ def test_the_attention_logits_probe_takes_the_scale_the_call_passes(scale):
     logits = (q @ k.transpose(-2, -1)) * (scale or 16 ** -0.5)
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     assert probes.collect()["attn_logits[first]"] == pytest.approx(float(logits[..., causal].pow(2).mean().sqrt()))
+
+
+def test_fresh_batches_give_each_step_the_next_text_and_are_stored_apart(tmp_path):
+    from satlab.bench.coord import check_batches, stored_path
+
+    fixed = CoordSettings(archs=["transformer"], steps=3, batch=2, seq_len=8)
+    fresh = CoordSettings(archs=["transformer"], steps=3, batch=2, seq_len=8, fresh_batches=True)
+    same, new = check_batches(fixed), check_batches(fresh)
+    assert len(same) == len(new) == 4 and all(x.shape == (2, 8) and y.shape == (2, 8) for x, y in new)
+    assert all(torch.equal(x, same[0][0]) for x, _ in same)
+    assert torch.equal(new[0][0], same[0][0])  # the first fresh batch is the fixed one ...
+    assert not any(torch.equal(new[i][0], new[j][0]) for i in range(4) for j in range(i))  # ... then new text
+    whole = token_batch(8, 8)[0]  # the corpus's first 8 windows, consecutive
+    assert torch.equal(torch.cat([x for x, _ in new]), whole)
+    shape = Shape("transformer", "width", 32, 2)
+    assert stored_path(tmp_path, shape, 0, fixed) != stored_path(tmp_path, shape, 0, fresh)

@@ -83,6 +83,10 @@ def parametrization(cfg: ExperimentConfig) -> str:
     return getattr(cfg.model, "parametrization", "sp")
 
 
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+"""(inputs, targets) per probed forward pass: steps + 1 of them (step s's forward, then one after the last update)."""
+
+
 def token_batch(batch: int, seq_len: int, corpus: str = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of ``batch`` consecutive windows of ``seq_len`` + 1 byte tokens from the start of the
     embedded corpus: the same real text for every model of the check."""
@@ -93,6 +97,16 @@ def token_batch(batch: int, seq_len: int, corpus: str = CORPUS) -> tuple[torch.T
             break
     windows = torch.tensor(ids[:need], dtype=torch.long).view(batch, seq_len + 1)
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def check_batches(settings: CoordSettings) -> Batches:
+    """The batch of each probed forward pass: the one fixed batch every time, or with ``settings.fresh_batches`` the
+    next ``batch`` windows of the corpus at every step (as a training run and CompleteP's reference check see them)."""
+    count = settings.steps + 1
+    if not settings.fresh_batches:
+        return [token_batch(settings.batch, settings.seq_len)] * count
+    inputs, targets = token_batch(settings.batch * count, settings.seq_len)
+    return list(zip(inputs.split(settings.batch), targets.split(settings.batch), strict=True))
 
 
 class Probes(TorchFunctionMode):
@@ -222,11 +236,11 @@ class Probes(TorchFunctionMode):
             del hc.read  # the instance attribute: the class's method again
 
 
-def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
-            prepare: Callable[[nn.Module], None] | None = None) -> Measurement:
-    """Train ``steps`` AdamW steps of the training code's own module and optimizer on the one batch; the RMS of every
-    probe at steps 0..steps (the last a forward after the last update). ``prepare`` may alter the built model
-    first (the tests plant a wrongly scaled module with it)."""
+def measure(cfg: ExperimentConfig, batches: Batches, prepare: Callable[[nn.Module], None] | None = None
+            ) -> Measurement:
+    """Train ``len(batches) - 1`` AdamW steps of the training code's own module and optimizer; the RMS of every probe
+    at steps 0..steps (the last a forward after the last update). ``prepare`` may alter the built model first (the
+    tests plant a wrongly scaled module with it)."""
     from satlab.config.derived import derive_schedule
     from satlab.training.module import LMModule
 
@@ -242,22 +256,23 @@ def measure(cfg: ExperimentConfig, inputs: torch.Tensor, targets: torch.Tensor, 
         optimizer.step()
         scheduler.step()
 
-    return probed_steps(module.model, Probes(module.model), lambda: module.loss(inputs, targets), update, steps)
+    return probed_steps(module.model, Probes(module.model), module.loss, update, batches)
 
 
-def probed_steps(model: nn.Module, probes: Probes, loss_of_batch: Callable[[], torch.Tensor],
-                 update: Callable[[], None], steps: int) -> Measurement:
-    """The check's loop: ``steps`` updates, with the probes recording a forward pass before each and one after the
-    last. ``loss_of_batch`` is the forward pass on the check's batch, ``update`` the optimizer step after the
+def probed_steps(model: nn.Module, probes: Probes, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 update: Callable[[], None], batches: Batches) -> Measurement:
+    """The check's loop: ``len(batches) - 1`` updates, with the probes recording a forward pass before each and one
+    after the last. ``loss_of(inputs, targets)`` is the forward pass, ``update`` the optimizer step after the
     backward pass (no clipping: AdamW's update does not depend on the gradient's scale). The probes are removed at
     the end."""
     rms: dict[str, list[float]] = {}
     losses: list[float] = []
+    steps = len(batches) - 1
     start = time.perf_counter()
     try:
-        for step in range(steps + 1):
+        for step, (inputs, targets) in enumerate(batches):
             with probes, torch.set_grad_enabled(step < steps):
-                loss = loss_of_batch()
+                loss = loss_of(inputs, targets)
             losses.append(float(loss.detach()))
             for key, value in probes.collect().items():
                 rms.setdefault(key, [math.nan] * step).append(value)
@@ -275,10 +290,10 @@ def probed_steps(model: nn.Module, probes: Probes, loss_of_batch: Callable[[], t
 class Implementation:
     """Whose code builds and trains the models the check measures: satlab's own (:data:`SATLAB`) or another code
     base's (:mod:`satlab.bench.coord_reference`), measured through the same loop, probes and slopes.
-    ``measure(cfg, shape, inputs, targets, steps)``: one shape at the seed and optimizer settings of ``cfg``."""
+    ``measure(cfg, shape, batches)``: one shape at the seed and optimizer settings of ``cfg``."""
 
     name: str
-    measure: Callable[[ExperimentConfig, Shape, torch.Tensor, torch.Tensor, int], Measurement]
+    measure: Callable[[ExperimentConfig, Shape, Batches], Measurement]
     params: Callable[[ExperimentConfig, Shape], int]
     """The parameter count of one shape's model (for ``--dry-run``), built on the meta device."""
 
@@ -290,8 +305,7 @@ def satlab_params(cfg: ExperimentConfig, shape: Shape) -> int:
         return sum(p.numel() for p in build_model(cfg.model).parameters())
 
 
-SATLAB = Implementation("satlab", lambda cfg, shape, inputs, targets, steps: measure(cfg, inputs, targets, steps),
-                        satlab_params)
+SATLAB = Implementation("satlab", lambda cfg, shape, batches: measure(cfg, batches), satlab_params)
 
 
 def stored_path(store: Path, shape: Shape, seed: int, settings: CoordSettings,
@@ -303,6 +317,8 @@ def stored_path(store: Path, shape: Shape, seed: int, settings: CoordSettings,
                    "seq_len": settings.seq_len, "head_dim": settings.head_dim, "overrides": settings.overrides}
     if implementation is not SATLAB:
         measured_by["implementation"] = implementation.name
+    if settings.fresh_batches:
+        measured_by["fresh_batches"] = True
     digest = hashlib.sha256(json.dumps(measured_by, sort_keys=True).encode()).hexdigest()[:12]
     return store / f"{shape.arch}-{shape.series}-w{shape.width}-d{shape.depth}-seed{seed}-{digest}.json"
 
@@ -391,7 +407,7 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
     With ``store`` each measurement is kept there as it finishes and reused by a later call with the same settings
     (not with ``prepare``, which alters the models). ``implementation`` says whose models are measured."""
     torch.set_num_threads(1)
-    inputs, targets = token_batch(settings.batch, settings.seq_len)
+    batches = check_batches(settings)
     report: dict = {"settings": asdict(settings), "implementation": implementation.name, "thresholds": {
         "transfer_slope_limit": TRANSFER_SLOPE_LIMIT, "sp_slope_signal": SP_SLOPE_SIGNAL,
         "first_checked_step": FIRST_CHECKED_STEP}, "archs": {}}
@@ -407,11 +423,11 @@ def coord_check(settings: CoordSettings, progress: Callable[[str], None] = print
                     cfg = shape_config(shape, settings, seed)
                     entry["parametrization"] = report["parametrization"] = parametrization(cfg)
                     if prepare is not None:
-                        seeds.append(measure(cfg, inputs, targets, settings.steps, prepare))
+                        seeds.append(measure(cfg, batches, prepare))
                         continue
                     path = None if store is None else stored_path(store, shape, seed, settings, implementation)
                     measurement, read_back = measure_stored(
-                        functools.partial(implementation.measure, cfg, shape, inputs, targets, settings.steps), path)
+                        functools.partial(implementation.measure, cfg, shape, batches), path)
                     seeds.append(measurement)
                     reused += read_back
                 m = seed_mean(seeds)

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from satlab.bench.coord import Implementation, Measurement, Probes, probed_steps
+from satlab.bench.coord import Batches, Implementation, Measurement, Probes, probed_steps
 from satlab.bench.coord_settings import Shape, base_shape
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import BYTE_VOCAB
@@ -83,8 +83,7 @@ def reference_implementation(folder: Path, head_dim: int, seq_len: int, alpha: f
     """The reference as an :class:`Implementation` for :func:`satlab.bench.coord.coord_check`."""
     module = load_reference(folder)
 
-    def measure(cfg: ExperimentConfig, shape: Shape, inputs: torch.Tensor, targets: torch.Tensor,
-                steps: int) -> Measurement:
+    def measure(cfg: ExperimentConfig, shape: Shape, batches: Batches) -> Measurement:
         optim = cfg.optim
         torch.manual_seed(cfg.train.seed)
         with contextlib.redirect_stdout(io.StringIO()):  # the reference prints its parameter counts
@@ -94,7 +93,7 @@ def reference_implementation(folder: Path, head_dim: int, seq_len: int, alpha: f
         for group in optimizer.param_groups:  # what the reference's train.py does before every step
             group["lr"] = optim.lr * group.get("lr_scale", 1.0)
         model.train()
-        return probed_steps(model, ReferenceProbes(model), lambda: model(inputs, targets)[1], optimizer.step, steps)
+        return probed_steps(model, ReferenceProbes(model), lambda x, y: model(x, y)[1], optimizer.step, batches)
 
     def params(cfg: ExperimentConfig, shape: Shape) -> int:
         with torch.device("meta"), contextlib.redirect_stdout(io.StringIO()):

@@ -63,6 +63,7 @@ class CoordSettings:
     head_dim: int = HEAD_DIM
     batch: int = BATCH
     seq_len: int = SEQ_LEN
+    fresh_batches: bool = False  # a new batch at every step instead of the one fixed batch
 
 
 def base_shape() -> tuple[int, int]:

@@ -45,11 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
                         help="comma-separated seeds; each RMS is their geometric mean (default: 0,1,2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"AdamW steps on the fixed batch (default {DEFAULT_STEPS})")
+                        help=f"AdamW steps (default {DEFAULT_STEPS})")
     parser.add_argument("--batch", type=int, default=BATCH,
-                        help=f"sequences in the fixed batch (default {BATCH})")
+                        help=f"sequences per batch (default {BATCH})")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN,
-                        help=f"byte tokens per sequence of the fixed batch (default {SEQ_LEN}, at most {MAX_SEQ_LEN})")
+                        help=f"byte tokens per sequence (default {SEQ_LEN}, at most {MAX_SEQ_LEN})")
+    parser.add_argument("--fresh-batches", action="store_true",
+                        help="a new batch of the corpus at every step (as training and CompleteP's reference check "
+                             "see them) instead of the one fixed batch")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
                         help=f"fixed head dim: heads = width / head dim (default {HEAD_DIM})")
     parser.add_argument("--parametrization", default=None,
@@ -130,7 +133,7 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
     extra = [f"model.parametrization={args.parametrization}"] if args.parametrization is not None else []
     settings = CoordSettings(archs=archs, seeds=seeds, widths=widths, depths=depths, steps=args.steps,
                              overrides=[*extra, *args.overrides], head_dim=args.head_dim,
-                             batch=args.batch, seq_len=args.seq_len)
+                             batch=args.batch, seq_len=args.seq_len, fresh_batches=args.fresh_batches)
     for shape in shapes(settings):
         shape_config(shape, settings)  # raises ConfigError with every problem of the overrides
     return settings
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         from satlab.bench.coord import plan
 
-        console.print(plan_table(plan(settings, out / MEASUREMENTS, implementation), settings))
+        console.print(plan_table(plan(settings, out / MEASUREMENTS, implementation), settings, implementation.name))
         return 0
     from satlab.bench.coord import coord_check
     from satlab.bench.coord_report import log_to_mlflow, write_outputs
@@ -174,11 +177,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(e["verdict"]["result"] == "PASS" for e in report["archs"].values()) else 1
 
 
-def plan_table(rows: list[dict], settings: CoordSettings) -> Table:
+def plan_table(rows: list[dict], settings: CoordSettings, implementation: str = "satlab") -> Table:
     total, kept = sum(r["estimated_seconds"] for r in rows), sum(r["kept"] for r in rows)
     reused = f", {kept} of {len(rows) * len(settings.seeds)} already measured in --out and reused" if kept else ""
-    table = Table(title=f"coordinate check plan: {len(rows)} models x {len(settings.seeds)} seed(s), "
-                        f"{settings.steps} steps each on a batch of "
+    whose = "" if implementation == "satlab" else f" of {implementation}"
+    table = Table(title=f"coordinate check plan{whose}: {len(rows)} models x {len(settings.seeds)} seed(s), "
+                        f"{settings.steps} steps each on {'a new' if settings.fresh_batches else 'one fixed'} "
+                        f"batch of "
                         f"{settings.batch} x {settings.seq_len} byte tokens, one CPU thread, fp32 "
                         f"(estimated {total / 60:.1f} min{reused})")
     for column in ("arch", "series", "width", "depth", "heads", "mlp", "params", "param.", "kept", "est. s"):
