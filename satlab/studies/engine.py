@@ -22,6 +22,7 @@ from rich.console import Console
 
 from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
+from satlab.config.stores import missing_sqlite_file, sqlite_file
 from satlab.studies import attrs as A
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.dashboard import write_note
@@ -80,12 +81,11 @@ def run_study(spec: StudySpec, workers: int = 1, n_trials: int | None = None, st
                           "the study's record (what resuming skips, what the report reads); remove the override")
     named = storage or spec.storage  # a storage the user names is used as it is; satlab's default may be made
     spec = replace(spec, storage=named or spec.storage_url(), out_dir=str(spec.out_path().resolve()))
-    db = spec.storage.removeprefix("sqlite:///")
     if isinstance(spec, AblationSpec) and (problems := spec.sequential.seed_problems(spec.axes, spec.seed_key)):
         raise ConfigError(problems)
-    if n_trials == 0 and db != spec.storage and not Path(db).is_file():
+    if n_trials == 0 and missing_sqlite_file(spec.storage):
         raise ConfigError(f"--n-trials 0 rewrites the report of a study, but {spec.kind} '{spec.name}' has none yet "
-                          f"(no {db}); run it with n_trials >= 1 first")
+                          f"(no {sqlite_file(spec.storage)}); run it with n_trials >= 1 first")
     if isinstance(spec, SweepSpec):
         spec = replace(spec, pruner=replace(spec.pruner, min_tokens=spec.pruner.min_tokens
                                             or base.train.val_every_tokens))

@@ -24,6 +24,7 @@ from mlflow.exceptions import MlflowException
 
 from satlab.config.errors import ConfigError
 from satlab.config.resolve import find, folder, unknown
+from satlab.config.stores import missing_sqlite_file
 from satlab.studies import attrs as A
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation, spec_from_dict
@@ -49,7 +50,7 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
     uri = tracking_uri or recorded.get(A.TRACKING_URI) or resolve_tracking(spec.base_config().tracking.uri, None)[0]
     never_ran = ConfigError(f"no runs of ablation '{spec.name}' in {uri} (experiment '{spec.experiment_name}'); "
                             f"run it first: satlab ablate {target}")
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+    if missing_sqlite_file(uri):
         raise never_ran  # opening a client would create an empty store: a lookup writes nothing
     client = mlflow.MlflowClient(uri)
     parent = usable_run(client, recorded.get(A.PARENT_RUN)) if recorded.get(A.TRACKING_URI) == uri else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import FrozenTrial, TrialState
 
+from satlab.config.stores import missing_sqlite_file
 from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.attrs import ARCH, CELL, IGNORED, REASON, SUPERSEDED
 from satlab.studies.runs import CELL_TAG, GROUP_TAG
@@ -229,7 +229,7 @@ class GridPlan:
         host, its log) and names the parent run; MLflow is the record of results, and of which cells finished for
         good (:func:`satlab.studies.engine.reconcile_cells`)."""
         url = storage or self.spec.storage or self.spec.storage_url()
-        if url.startswith("sqlite:///") and not os.path.isfile(url.removeprefix("sqlite:///")):
+        if missing_sqlite_file(url):
             return None
         try:
             return optuna.load_study(study_name=self.study_name(), storage=open_storage(url, create_tables=False))

@@ -16,6 +16,7 @@ from optuna.storages import BaseStorage, RDBStorage
 from optuna.trial import FrozenTrial
 
 from satlab.config.errors import ConfigError
+from satlab.config.stores import sqlite_name
 from satlab.studies.spec import TrialSettings
 
 
@@ -71,7 +72,7 @@ def trial_id(storage: BaseStorage, study_name: str, number: int) -> int:
 def check_sqlite_file(url: str, create_folder: bool) -> None:
     """A sqlite storage is a file the trial processes share: not in memory, not a folder, in a writable folder that
     exists (made here only with ``create_folder``)."""
-    name = url.removeprefix("sqlite:///").partition("?")[0] if url.startswith("sqlite:///") else ""
+    name = sqlite_name(url) or ""
     if name in ("", ":memory:") or "mode=memory" in url:
         raise ConfigError(f"storage '{url}' is an in-memory database, which the trial processes cannot share; use "
                           "sqlite:///<abs path>/optuna.db")

@@ -21,6 +21,7 @@ from satlab.config.archs import ARCH_SPECS
 from satlab.config.display import Param, flatten
 from satlab.config.errors import ConfigError
 from satlab.config.schema import ExperimentConfig
+from satlab.config.stores import sqlite_file
 from satlab.training.machine import cpu_model
 
 if TYPE_CHECKING:
@@ -37,8 +38,7 @@ def default_tracking_uri() -> str:
 def resolve_tracking(uri: str | None, artifact_dir: str | None) -> tuple[str, str | None]:
     """(tracking URI, artifact location for new experiments) from the config, the environment and the default."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
+    if (db := sqlite_file(uri)) is not None:
         artifacts = Path(artifact_dir) if artifact_dir else db.parent / "artifacts"
         return uri, artifacts.resolve().as_uri()
     if "://" not in uri:
@@ -52,8 +52,8 @@ def resolve_tracking(uri: str | None, artifact_dir: str | None) -> tuple[str, st
 def open_store(uri: str) -> str:
     """``uri``, with the folder of a sqlite store created: done only once a run is about to be recorded, so that a
     run refused for bad input leaves no store behind."""
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if (db := sqlite_file(uri)) is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
     return uri
 
 
@@ -70,7 +70,7 @@ def store_problem(uri: str, timeout: float = CHECK_SECONDS) -> str | None:
     refused. Each check gives up after ``timeout`` seconds."""
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
     if scheme == "sqlite":
-        return sqlite_problem(Path(uri.removeprefix("sqlite:///")))
+        return sqlite_problem(sqlite_file(uri))
     if scheme in ("http", "https"):
         try:
             urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from satlab.config.archs import ARCH_SPECS
+from satlab.config.stores import sqlite_file
 
 if TYPE_CHECKING:
     import mlflow
@@ -169,11 +169,11 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 def serve_command(tracking_uri: str) -> str | None:
     """The command that serves this store's UI at :func:`ui_address`; None for a tracking server (it is its own
     UI)."""
-    if not tracking_uri.startswith("sqlite:///"):
+    if sqlite_file(tracking_uri) is None:
         return None
     from satlab.training.tracking import default_tracking_uri
 
-    if Path(tracking_uri.removeprefix("sqlite:///")) == Path(default_tracking_uri().removeprefix("sqlite:///")):
+    if sqlite_file(tracking_uri) == sqlite_file(default_tracking_uri()):
         return "make ui"
     return f"make ui STORE={tracking_uri}"
 
