@@ -31,3 +31,9 @@ def test_only_a_sqlite_url_whose_file_is_not_there_is_missing(tmp_path):
     db.write_bytes(b"")
     assert not missing_sqlite_file(f"sqlite:///{db}") and not missing_sqlite_file(f"sqlite:///{db}?timeout=5")
     assert not missing_sqlite_file("postgresql://user@host/db")  # not a file: nothing to find missing
+
+
+def test_a_sqlite_url_without_its_third_slash_is_refused_as_a_store_saying_how_to_write_it():
+    from satlab.training.tracking import store_problem
+
+    assert "sqlite:///<path" in store_problem("sqlite://mlflow.db")

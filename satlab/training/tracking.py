@@ -70,7 +70,8 @@ def store_problem(uri: str, timeout: float = CHECK_SECONDS) -> str | None:
     refused. Each check gives up after ``timeout`` seconds."""
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
     if scheme == "sqlite":
-        return sqlite_problem(sqlite_file(uri))
+        db = sqlite_file(uri)
+        return sqlite_problem(db) if db is not None else "a sqlite store is written sqlite:///<path to the .db file>"
     if scheme in ("http", "https"):
         try:
             urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
