@@ -299,6 +299,7 @@ class Implementation:
 
 
 def satlab_params(cfg: ExperimentConfig, shape: Shape) -> int:
+    """The parameter count of satlab's model of ``cfg``, built on the meta device (no memory, no init)."""
     from satlab.models import build_model
 
     with torch.device("meta"):
