@@ -327,3 +327,28 @@ def test_transfer_bad_input_writes_nothing(tmp_path: Path, bad: list[str], capsy
     argv = ["transfer", study, "--out", str(out)] + [x for kv in args.items() for x in kv]
     assert main(argv) == 2
     assert not out.exists() and "error" in capsys.readouterr().err
+
+
+def test_the_report_sets_each_optimum_beside_an_earlier_studys(tmp_path: Path) -> None:
+    """``compare_with``: the earlier study's summary.json (as its report wrote it) is read, and every shape's optimum
+    is set beside the same shape's then, with the move in octaves; an earlier study that cannot be read is said so
+    and the section is still written."""
+    spec = transfer_spec()
+    then = finished_groups(spec, {(32, 2): -9.0, (64, 2): -9.1, (128, 2): -8.9, (32, 4): -7.5})
+    _, earlier, _ = lr_transfer_section(spec, then, tmp_path)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "summary.json").write_text(json.dumps({"lr_transfer": earlier}))
+    plan = {"lr_key": "optim.lr", "width_keys": ["model.d_model"], "depth_keys": ["model.n_layers"],
+            "base": {"model": {"d_model": 32, "n_layers": 2}}, "compare_with": str(tmp_path / "earlier")}
+    later = transfer_spec(lr_transfer=plan)
+    now = finished_groups(later, {(32, 2): -8.0, (64, 2): -9.1, (128, 2): -8.9, (32, 4): -7.5})
+    lines, summary, _ = lr_transfer_section(later, now, tmp_path)
+    moves = summary["compared_with"]["series"]["Transformer"]
+    assert moves["d_model=32 n_layers=2"]["move"] == pytest.approx(1.0, abs=0.15)  # the base moved an octave up
+    assert moves["d_model=64 n_layers=2"]["move"] == pytest.approx(0.0, abs=0.15)
+    assert moves["d_model=32 n_layers=4"]["then"] == pytest.approx(-7.5, abs=0.1)
+    text = "\n".join(lines)
+    assert f"### Compared with {tmp_path / 'earlier'}" in text and "| move (octaves)" in text
+    plan["compare_with"] = str(tmp_path / "nowhere")
+    lines, summary, _ = lr_transfer_section(transfer_spec(lr_transfer=plan), now, tmp_path)
+    assert "Not compared: " in "\n".join(lines) and "error" in summary["compared_with"]

@@ -6,14 +6,14 @@ its MLflow parent run): its ``lr_transfer`` entry, written by the report's Learn
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from satlab.config.errors import ConfigError, shown
+from satlab.config.errors import ConfigError
+from satlab.studies.lr_transfer_summary import read_summary
 
 DEFAULT_FOLDER = Path("experiments") / "transferred"
 
@@ -30,30 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help=f"the preset to write (default {DEFAULT_FOLDER}/<target>-"
                                                       "<arch>-<parametrization>.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="print the preset; write nothing")
-
-
-def summary_path(study: str) -> Path:
-    """summary.json of ``study``: the file, a folder holding it, or the report folder of an ablation spec."""
-    path = Path(study)
-    if path.is_file() and path.suffix == ".json":
-        return path
-    if path.is_dir():
-        return path / "summary.json"
-    from satlab.studies.loader import load_ablation
-
-    return load_ablation(study).out_path() / "summary.json"
-
-
-def read_summary(study: str) -> dict[str, Any]:
-    path = summary_path(study)
-    if not path.is_file():
-        raise ConfigError(f"no report of study {shown(study)} at {path}: give a finished LR-transfer ablation (its "
-                          "spec name, report folder or summary.json); `satlab report <name>` writes the report")
-    summary = json.loads(path.read_text())
-    if not summary.get("lr_transfer"):
-        raise ConfigError(f"{path} has no learning-rate transfer results: the ablation needs an lr_transfer: block "
-                          "(experiments/ablations/lr_transfer.yml) and a report written with it")
-    return summary
 
 
 def pick_series(summary: dict[str, Any], arch: str, parametrization: str) -> dict[str, Any]:

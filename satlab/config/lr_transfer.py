@@ -39,6 +39,9 @@ class LRTransferPlan:
     # Which quadratic gives a shape's optimum: ``all`` fits every learning rate; ``local`` the best learning rate
     # and its two neighbours (satlab.studies.lr_transfer.local_optimum), for curves a single parabola does not fit.
     fit: str = "all"
+    # An earlier LR-transfer study (its spec name, report folder or summary.json) whose optima the report sets beside
+    # this one's, shape by shape: the same grid at another horizon or seed count shows how far the optimum moved.
+    compare_with: str | None = None
 
     @property
     def enabled(self) -> bool:

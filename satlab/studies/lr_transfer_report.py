@@ -219,6 +219,44 @@ def sweep_record(spec: AblationSpec, entries: Sequence[dict[str, Any]]) -> dict[
             "tokens_per_param": cfg.train.max_tokens / params if params else None, "fixed": fixed}
 
 
+def comparison(entries: Sequence[dict[str, Any]], study: str) -> tuple[list[str], dict[str, Any]]:
+    """(markdown lines, summary entry) setting each shape's optimum beside the same series' and shape's in the
+    earlier study ``study``: its optimum then, now, and the move in octaves. A shape without an optimum in either
+    is listed with a dash; a study that cannot be read is said so, not raised (the report is still written)."""
+    from satlab.config.errors import ConfigError
+    from satlab.studies.lr_transfer_summary import read_summary
+
+    try:
+        earlier = read_summary(study)["lr_transfer"]
+    except ConfigError as error:
+        return [f"### Compared with {study}", "", f"Not compared: {error}", ""], {"study": study, "error": str(error)}
+    then_series = {s["label"]: s for s in earlier["series"]}
+    tokens = earlier.get("sweep", {}).get("max_tokens")
+    lines = [f"### Compared with {study}", "",
+             f"Each shape's optimum here beside the same shape's in `{study}`"
+             + (f" ({tokens:,} tokens a run)" if tokens else "") + ", by each study's own fit; the move is now minus "
+             "then, in octaves.", ""]
+    record: dict[str, Any] = {"study": study, "max_tokens": tokens, "series": {}}
+    for entry in entries:
+        then = then_series.get(entry["label"])
+        if then is None:
+            lines += [f"{entry['label']}: not in `{study}`.", ""]
+            continue
+        rows, moves = [], {}
+        for name, o in entry["optima"].items():
+            before = then["shapes"].get(name, {}).get("log2_lr")
+            move = None if before is None or o.log2_lr is None else o.log2_lr - before
+            moves[name] = {"then": before, "now": o.log2_lr, "move": move}
+            rows.append([name, "—" if before is None else f"{2 ** before:.2e}",
+                         "—" if o.log2_lr is None else f"{2 ** o.log2_lr:.2e}",
+                         "—" if move is None else f"{move:+.2f}"])
+        record["series"][entry["label"]] = moves
+        lines += [f"**{entry['label']}**", "",
+                  pd.DataFrame(rows, columns=["shape", "optimum then", "optimum now", "move (octaves)"]).to_markdown(
+                      index=False, disable_numparse=True), ""]
+    return lines, record
+
+
 def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: Path) \
         -> tuple[list[str], dict[str, Any] | None, Path | None]:
     """(markdown lines, summary.json entry, figure) of the section; empty when the spec has no ``lr_transfer``."""
@@ -277,6 +315,9 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
                        for name, o in entry["optima"].items()}})
     if not entries:
         lines += ["No shape has finished cells at three learning rates yet.", ""]
+    elif plan.compare_with:
+        compared, summary["compared_with"] = comparison(entries, plan.compare_with)
+        lines += compared
     if figure is not None:
         lines += ["![learning-rate transfer](lr_transfer.png)", ""]
     return lines, summary, figure
