@@ -70,7 +70,7 @@ def test_the_depth_verdict_leaves_out_the_first_blocks_stream_and_nothing_else()
 
 
 def test_per_layer_probes_are_read_at_the_first_the_middle_and_the_last_layer():
-    from satlab.bench.coord import Probes
+    from satlab.bench.coord_probes import Probes
     from satlab.models import build_model
 
     cfg = shape_config(Shape("transformer", "depth", 32, 1), CoordSettings(archs=["transformer"], **TINY))
@@ -112,7 +112,7 @@ def test_every_probe_of_an_architecture_is_recorded_at_every_step(arch, own):
 
 def test_the_attention_logits_probe_is_q_dot_k_at_the_modules_scale():
 
-    from satlab.bench.coord import Probes
+    from satlab.bench.coord_probes import Probes
     from satlab.models import build_model
     from satlab.models.layers import apply_rotary
 
@@ -291,7 +291,7 @@ def test_the_attention_logits_probe_takes_the_scale_the_call_passes(scale):
     """A parametrisation that scales the logits by 1/d_head passes its own scale: the probe must use it."""
     import torch.nn.functional as F
 
-    from satlab.bench.coord import Probes
+    from satlab.bench.coord_probes import Probes
     from satlab.models import build_model
 
     cfg = shape_config(Shape("transformer", "depth", 32, 1), CoordSettings(archs=["transformer"], **TINY))

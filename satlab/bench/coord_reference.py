@@ -24,7 +24,8 @@ from types import ModuleType
 
 import torch
 
-from satlab.bench.coord import Batches, Implementation, Measurement, Probes, probed_steps
+from satlab.bench.coord import Batches, Implementation, Measurement, probed_steps
+from satlab.bench.coord_probes import Probes
 from satlab.bench.coord_settings import Shape, base_shape
 from satlab.config.schema import ExperimentConfig
 from satlab.data.tokenizer import BYTE_VOCAB
