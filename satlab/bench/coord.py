@@ -3,13 +3,13 @@
 Each architecture is built at a series of widths (at the base depth) and of depths (at the base width), with the
 head dim fixed, and trained a few AdamW steps on real text (an embedded corpus, byte tokens: one fixed batch, or a
 new one at every step), deterministically in fp32 on the CPU. The model, its optimizer groups and its loss are the
-training code's own (:class:`satlab.training.module.LMModule` and its ``configure_optimizers``), so whatever the parametrisation changes
-there (initialisation, per-group learning rates, multipliers) is what is measured; another code base's models can
-be measured the same way (:class:`Implementation`). Forward hooks (:mod:`satlab.bench.coord_probes`) record the RMS
-of every probed output at every step; per probe and step, the slope of log RMS against log width and against log depth
-says how that output scales: 0 is what μP (width) and CompleteP (width and depth) promise, the standard
-parametrisation's outputs grow with width once training has moved the weights. ``docs/coord-check.md`` explains the
-probes and how to read the numbers.
+training code's own (:class:`satlab.training.module.LMModule` and its ``configure_optimizers``), so whatever the
+parametrisation changes there (initialisation, per-group learning rates, multipliers) is what is measured; another
+code base's models can be measured the same way (:class:`Implementation`). Forward hooks
+(:mod:`satlab.bench.coord_probes`) record the RMS of every probed output at every step; per probe and step, the
+slope of log RMS against log width and against log depth says how that output scales: 0 is what μP (width) and
+CompleteP (width and depth) promise, the standard parametrisation's outputs grow with width once training has moved
+the weights. ``docs/coord-check.md`` explains the probes and how to read the numbers.
 """
 
 from __future__ import annotations
