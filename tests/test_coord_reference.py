@@ -114,11 +114,13 @@ def measured(folder, shape: Shape, steps: int = 3, **config) -> Measurement:
         module.GPTConfig = made
 
 
-def test_the_command_measures_the_reference_and_says_so(stand_in, tmp_path, capsys):
+def test_the_command_measures_the_reference_and_says_so(stand_in, tmp_path, capsys, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     out = tmp_path / "out"
     code = main(["coord", "--reference", str(stand_in), "--widths", "32,64", "--depths", "1,2", "--steps", "3",
-                 "--seeds", "0", "--head-dim", "16", "--batch", "2", "--seq-len", "16", "--out", str(out),
-                 "--no-mlflow"])
+                 "--seeds", "0", "--head-dim", "16", "--batch", "2", "--seq-len", "16", "--out", str(out)])
     assert code in (0, 1)
     report = json.loads((out / "coord.json").read_text())
     assert report["implementation"].startswith("nanogpt-mup-completep") and report["parametrization"] == "completep"
@@ -126,6 +128,10 @@ def test_the_command_measures_the_reference_and_says_so(stand_in, tmp_path, caps
     for probe in ("embed", "logits", "attn_logits[first]", "attn_out[last]", "mlp_out[mid]", "block_out[all]"):
         assert len(rms[probe]) == 4 and all(v > 0 for v in rms[probe]), probe
     assert "nanogpt-mup-completep" in capsys.readouterr().out
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run, = client.search_runs([client.get_experiment_by_name("coord").experiment_id])
+    assert run.info.run_name == "coord-completep-nanogpt-mup-completep(alpha=1)"  # told apart from satlab's run
+    assert run.data.params["implementation"] == "nanogpt-mup-completep(alpha=1)"
 
 
 def test_a_branch_is_read_before_the_blocks_depth_multiplier(stand_in):

@@ -82,9 +82,9 @@ def log10(value: float) -> float:
 
 
 def log_to_mlflow(report: dict, paths: list[Path]) -> str:
-    """One run ``coord-<parametrization>`` in experiment 'coord': the settings as parameters, every slope as metric
-    ``coord/<arch>/<series>/<probe>`` at step = training step, each architecture's worst |slope| and verdict, the
-    files as artifacts."""
+    """One run ``coord-<parametrization>`` (with ``-<implementation>`` for another code base's models) in experiment
+    'coord': the settings as parameters, every slope as metric ``coord/<arch>/<series>/<probe>`` at step = training
+    step, each architecture's worst |slope| and verdict, the files as artifacts."""
     import mlflow
     from mlflow.entities import Metric, Param, RunTag
 
@@ -94,11 +94,13 @@ def log_to_mlflow(report: dict, paths: list[Path]) -> str:
     open_store(uri)
     client = mlflow.MlflowClient(uri)
     param = report.get("parametrization", "sp")
-    run = client.create_run(experiment_id(client, "coord", artifacts), run_name=f"coord-{param}",
+    implementation = report.get("implementation", "satlab")
+    name = f"coord-{param}" + ("" if implementation == "satlab" else f"-{implementation}")
+    run = client.create_run(experiment_id(client, "coord", artifacts), run_name=name,
                             tags=provenance_tags("+".join(report["archs"]), "coord"))
     run_id = run.info.run_id
     params = {**report["settings"], **report["thresholds"], "parametrization": param,
-              "implementation": report.get("implementation", "satlab")}
+              "implementation": implementation}
     metrics, tags, now = [], [], int(time.time() * 1000)
     for arch, entry in report["archs"].items():
         for series in SERIES:
