@@ -1,7 +1,8 @@
 """The ``lr_transfer:`` block of an ablation spec: it turns on the report's "Learning-rate transfer" section
 (:mod:`satlab.studies.lr_transfer`) and names what it reads. ``lr_key`` is the learning-rate axis; ``width_keys``
 and ``depth_keys`` the axes that make a shape (the width keys move together, e.g. ``model.d_model`` and
-``model.mlp_hidden``); ``base`` the base shape's value of each of them. Every other axis but the seeds splits the
+``model.mlp_hidden``); ``tied_keys`` axes set by the shape but neither its width nor its depth (a ladder rung's
+token budget and warmup, which grow with its parameters); ``base`` the base shape's value of each of them. Every other axis but the seeds splits the
 cells into series (an architecture under a parametrisation), each with its own base-shape optimum. Without
 ``lr_key`` (the default) there is no section. docs/lr-transfer.md explains the fit, the interval and the verdict.
 """
@@ -31,6 +32,9 @@ class LRTransferPlan:
     lr_key: str | None = None
     width_keys: list[str] = field(default_factory=lambda: ["model.d_model"])
     depth_keys: list[str] = field(default_factory=lambda: ["model.n_layers"])
+    # Axes whose value comes with the shape (e.g. train.max_tokens at a fixed number of tokens per parameter): part
+    # of a shape's label and of its base value, but neither a width nor a depth (no series is drawn along them).
+    tied_keys: list[str] = field(default_factory=list)
     base: dict[str, Any] = field(default_factory=dict)
     level: float = field(default=0.9, metadata=in_range(0, 0.999, True))
     resamples: int = field(default=2000, metadata=in_range(100, 10**6))
@@ -49,7 +53,7 @@ class LRTransferPlan:
 
     @property
     def shape_keys(self) -> list[str]:
-        return [*self.width_keys, *self.depth_keys]
+        return [*self.width_keys, *self.depth_keys, *self.tied_keys]
 
     def problems(self, axes: Mapping[str, Any], seed_key: str, prefix: str = "lr_transfer.") -> list[str]:
         """The block against the grid's axes: the learning-rate axis (positive numbers, at least ``MIN_LRS``), the
@@ -81,7 +85,8 @@ class LRTransferPlan:
                 problems.append(f"{prefix}: {quoted(key)} cannot be both a shape key and the learning-rate or "
                                 "seed axis")
         if len(set(keys)) < len(keys):
-            problems.append(f"{prefix}: a key is both a width and a depth key, or given twice: {shown(keys)}")
+            problems.append(f"{prefix}: a key is given twice among width_keys, depth_keys and tied_keys: "
+                            f"{shown(keys)}")
         missing = [k for k in keys if k not in self.base]
         extra = [k for k in self.base if k not in keys]
         if missing or extra:

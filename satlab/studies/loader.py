@@ -8,6 +8,7 @@ ablation any other item overrides the config of every cell, for a sweep it is an
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -135,7 +136,9 @@ def with_ladder(spec: AblationSpec, source: str) -> AblationSpec:
 
 def check_against_config(spec: StudySpec) -> None:
     """Load the base experiment with the fixed overrides, then with each value a trial can get (range ends, choices,
-    axis values), reporting every unknown key and bad value at once."""
+    axis values), reporting every unknown key and bad value at once. The axes a sub-grid narrows are loaded with
+    their values together, grid by grid, not one at a time: a value can be valid only beside its grid's others
+    (4 heads suit width 64 but not, under CompleteP with base width 64, width 48)."""
     try:
         cfg = spec.base_config()
     except ConfigError as e:
@@ -146,6 +149,10 @@ def check_against_config(spec: StudySpec) -> None:
     if isinstance(spec, AblationSpec) and spec.ladder.enabled:  # a rung's values go together: the ladder's plan
         points = {k: v for k, v in points.items() if k not in spec.ladder.rung_keys()}  # loaded each rung whole
     problems = []
+    if isinstance(spec, AblationSpec) and spec.grids:
+        problems.extend(grid_problems(spec, points))
+        narrowed = {k for grid in spec.grids for k in grid if k != spec.seed_key}
+        points = {k: v for k, v in points.items() if k not in narrowed}
     for key, values in points.items():
         if isinstance(spec, SweepSpec) and key not in known:
             problems.append(f"{spec.kind} '{spec.name}': space: unknown config key '{key}'{did_you_mean(key, known)}")
@@ -168,6 +175,29 @@ def check_against_config(spec: StudySpec) -> None:
             problems.extend(f"{spec.kind} '{spec.name}': compare_with: {p}" for p in e.problems)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))
+
+
+def grid_problems(spec: AblationSpec, points: Mapping[str, Any]) -> list[str]:
+    """Each sub-grid's narrowed axes (of ``points``; not the seed) loaded together: every combination of their
+    values in the grid, each combination once."""
+    problems, loaded = [], set()
+    for i, grid in enumerate(spec.grids):
+        keys = [k for k in grid if k in points and k != spec.seed_key]
+        typed = [p for k in keys for p in type_problems(spec, k)]
+        if typed:
+            problems.extend(typed)
+            continue
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            overrides = tuple(f"{k}={format_value(v)}" for k, v in zip(keys, combo, strict=True))
+            if overrides in loaded:
+                continue
+            loaded.add(overrides)
+            try:
+                spec.base_config(list(overrides))
+            except ConfigError as e:
+                problems.extend(f"{spec.kind} '{spec.name}', grids[{i}] ({' '.join(overrides)}): {p}"
+                                for p in e.problems)
+    return problems
 
 
 def type_problems(spec: StudySpec, key: str) -> list[str]:

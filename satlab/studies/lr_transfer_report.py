@@ -208,15 +208,18 @@ def curves_figure(entries: Sequence[dict[str, Any]], path: Path, title: str) -> 
 
 
 def sweep_record(spec: AblationSpec, entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What a transferred learning rate depends on besides the parametrisation: the tokens per run, the batch, the
-    tokens per parameter at the base shape, and the study's own parametrisation fields."""
+    """What a transferred learning rate depends on besides the parametrisation: the tokens per run (the base
+    shape's, where the budget comes with the shape), the batch, the tokens per parameter at the base shape, and the
+    study's own parametrisation fields."""
     cfg = spec.base_config()
     params = next((e["shapes"][e["base"]]["params"] for e in entries if e["base"] in e["shapes"]
                    and e["shapes"][e["base"]]["params"]), None)
     fixed = {k: v for k, v in spec.overrides.items() if k in TRANSFER_KEYS}
-    return {"max_tokens": cfg.train.max_tokens, "global_batch_tokens": cfg.train.global_batch_tokens,
+    tokens = spec.lr_transfer.base.get("train.max_tokens", cfg.train.max_tokens)
+    return {"max_tokens": tokens, "per_shape_tokens": "train.max_tokens" in spec.lr_transfer.tied_keys,
+            "global_batch_tokens": cfg.train.global_batch_tokens,
             "seq_len": cfg.data.seq_len, "base_params": params,
-            "tokens_per_param": cfg.train.max_tokens / params if params else None, "fixed": fixed}
+            "tokens_per_param": tokens / params if params else None, "fixed": fixed}
 
 
 def comparison(entries: Sequence[dict[str, Any]], study: str) -> tuple[list[str], dict[str, Any]]:
@@ -283,7 +286,9 @@ def lr_transfer_section(spec: AblationSpec, groups: Sequence[GroupResult], out: 
              f"(pure-error F test; rejected below p = {LACK_OF_FIT_ALPHA:g}). A series transfers when every shape's "
              f"interval lies within ±{plan.tolerance:g} octave of the base shape's optimum "
              f"(base: {shape_label(plan.base, plan.shape_keys)}). "
-             f"Each run: {record['max_tokens']:,} tokens in batches of {record['global_batch_tokens']:,}"
+             + ("Each shape trains on its own token budget (in its label); the base shape's runs: "
+                if record["per_shape_tokens"] else "Each run: ")
+             + f"{record['max_tokens']:,} tokens in batches of {record['global_batch_tokens']:,}"
              + (f", {record['tokens_per_param']:.1f} tokens per parameter at the base shape"
                 if record["tokens_per_param"] else "") + ". A transferred learning rate holds for this horizon "
              "and batch only.", ""]
