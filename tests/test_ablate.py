@@ -115,6 +115,27 @@ def test_axis_keys_and_values_are_checked_against_the_config(tmp_path: Path) -> 
         load_ablation("arch_tiy")
 
 
+def test_sub_grid_values_are_checked_together(tmp_path: Path) -> None:
+    """Under CompleteP with base width 64, 3 heads suit width 48 (head dim 16) but not the base config's width
+    128: a sub-grid's values are loaded together, so the grid that pairs them is valid, and one that pairs width 48
+    with 4 heads (head dim 12, which 64 is not a multiple of) is refused, naming the grid."""
+    def spec(heads_at_48: int) -> Path:
+        path = tmp_path / f"grid{heads_at_48}.yml"
+        path.write_text(yaml.safe_dump({
+            "base": "default", "overrides": {"model.parametrization": "completep", "model.base_width": 64},
+            "axes": {"model.d_model": [48, 64], "model.n_heads": [3, 4]},
+            "grids": [{"model.d_model": [48], "model.n_heads": [heads_at_48]},
+                      {"model.d_model": [64], "model.n_heads": [4]}]}))
+        return path
+
+    assert len(load_ablation(spec(3)).cells()) == 2
+    with pytest.raises(ConfigError) as excinfo:
+        load_ablation(spec(4))
+    text = problems(excinfo)
+    assert "grids[0] (model.d_model=48 model.n_heads=4): model.base_width=64 is not a whole number of heads" in text
+    assert "grids[1]" not in text
+
+
 def test_command_line_items_set_the_spec_or_override_the_config() -> None:
     data = apply_items(AblationSpec, {"name": "x", "axes": {"model": {"arch": ["transformer"]}}},
                        ["axes.train.seed=[0,1]", "baseline.model.arch=transformer", "train.max_tokens=1e5",

@@ -234,6 +234,39 @@ def test_report_section_on_synthetic_results(tmp_path: Path) -> None:
     assert lr_transfer_section(off, groups, tmp_path) == ([], None, None)
 
 
+def rung_spec(**plan: object) -> AblationSpec:
+    """A ladder-like sweep: each shape with its own token budget (a rung at a fixed number of tokens per
+    parameter), the budget a tied key of the shape."""
+    data = {"name": "rungs", "axes": {"model.arch": ["transformer"], "model.d_model": [32, 64],
+                                      "model.n_layers": [2, 4], "train.max_tokens": [2048, 8192], "optim.lr": LRS,
+                                      "train.seed": [0, 1]},
+            "grids": [{"model.d_model": [32], "model.n_layers": [2], "train.max_tokens": [2048]},
+                      {"model.d_model": [64], "model.n_layers": [4], "train.max_tokens": [8192]}],
+            "lr_transfer": {"lr_key": "optim.lr", "width_keys": ["model.d_model"], "depth_keys": ["model.n_layers"],
+                            "tied_keys": ["train.max_tokens"],
+                            "base": {"model.d_model": 64, "model.n_layers": 4, "train.max_tokens": 8192}, **plan}}
+    return spec_from_dict(AblationSpec, data)
+
+
+def test_a_tied_key_labels_the_shape_and_sets_the_base_horizon(tmp_path: Path) -> None:
+    """The shapes of a ladder-like sweep change width, depth and budget together: each is its own shape, judged
+    against the base; the sweep's recorded horizon is the base shape's budget, not the base config's."""
+    spec = rung_spec()
+    groups = finished_groups(spec, {(32, 2): -9.0, (64, 4): -8.0})
+    lines, summary, _ = lr_transfer_section(spec, groups, tmp_path)
+    series = summary["series"][0]
+    assert set(series["shapes"]) == {"d_model=32 n_layers=2 max_tokens=2048", "d_model=64 n_layers=4 max_tokens=8192"}
+    assert series["outcome"] == "does not transfer" and series["width_shift"] is None
+    assert summary["sweep"]["max_tokens"] == 8192 and summary["sweep"]["per_shape_tokens"]
+    assert summary["sweep"]["tokens_per_param"] == pytest.approx(8192 / 64000)
+    assert "Each shape trains on its own token budget (in its label); the base shape's runs: 8,192 tokens" in (
+        "\n".join(lines))
+    with pytest.raises(ConfigError, match="missing train.max_tokens"):
+        rung_spec(base={"model.d_model": 64, "model.n_layers": 4})
+    with pytest.raises(ConfigError, match="given twice"):
+        rung_spec(tied_keys=["model.d_model"])
+
+
 def test_report_section_with_the_local_fit(tmp_path: Path) -> None:
     """``fit: local``: the table and verdict from the local fit, the all-points verdict stated beside it, the
     lack-of-fit column, and summary.json saying which fit it used."""
