@@ -2,9 +2,10 @@
 (:mod:`satlab.studies.lr_transfer`) and names what it reads. ``lr_key`` is the learning-rate axis; ``width_keys``
 and ``depth_keys`` the axes that make a shape (the width keys move together, e.g. ``model.d_model`` and
 ``model.mlp_hidden``); ``tied_keys`` axes set by the shape but neither its width nor its depth (a ladder rung's
-token budget and warmup, which grow with its parameters); ``base`` the base shape's value of each of them. Every other axis but the seeds splits the
-cells into series (an architecture under a parametrisation), each with its own base-shape optimum. Without
-``lr_key`` (the default) there is no section. docs/lr-transfer.md explains the fit, the interval and the verdict.
+token budget and warmup, which grow with its parameters); ``base`` the base shape's value of each of them. Every
+other axis but the seeds splits the cells into series (an architecture under a parametrisation), each with its own
+base-shape optimum. Without ``lr_key`` (the default) there is no section. docs/lr-transfer.md explains the fit, the
+interval and the verdict.
 """
 
 from __future__ import annotations
