@@ -134,6 +134,13 @@ def test_sub_grid_values_are_checked_together(tmp_path: Path) -> None:
     text = problems(excinfo)
     assert "grids[0] (model.d_model=48 model.n_heads=4): model.base_width=64 is not a whole number of heads" in text
     assert "grids[1]" not in text
+    path = tmp_path / "left_out.yml"  # an axis a grid leaves out takes all its values there: 4 heads beside 48
+    path.write_text(yaml.safe_dump({
+        "base": "default", "overrides": {"model.parametrization": "completep", "model.base_width": 64},
+        "axes": {"model.d_model": [48, 64], "model.n_heads": [3, 4]},
+        "grids": [{"model.d_model": [64], "model.n_heads": [4]}, {"model.d_model": [48]}]}))
+    with pytest.raises(ConfigError, match=r"grids\[1\] \(model.d_model=48 model.n_heads=4\)"):
+        load_ablation(path)
 
 
 def test_command_line_items_set_the_spec_or_override_the_config() -> None:

@@ -178,17 +178,15 @@ def check_against_config(spec: StudySpec) -> None:
 
 
 def grid_problems(spec: AblationSpec, points: Mapping[str, Any]) -> list[str]:
-    """Each sub-grid's narrowed axes (of ``points``; not the seed) loaded together: every combination of their
-    values in the grid, each combination once."""
+    """The axes any sub-grid narrows (of ``points``; not the seed) loaded together, grid by grid: every combination
+    of their values in the grid (a grid that leaves such an axis out takes all its values), each combination once."""
     problems, loaded = [], set()
+    narrowed = [k for k in points if k != spec.seed_key and any(k in grid for grid in spec.grids)]
+    if typed := [p for k in narrowed for p in type_problems(spec, k)]:
+        return typed
     for i, grid in enumerate(spec.grids):
-        keys = [k for k in grid if k in points and k != spec.seed_key]
-        typed = [p for k in keys for p in type_problems(spec, k)]
-        if typed:
-            problems.extend(typed)
-            continue
-        for combo in itertools.product(*(grid[k] for k in keys)):
-            overrides = tuple(f"{k}={format_value(v)}" for k, v in zip(keys, combo, strict=True))
+        for combo in itertools.product(*(grid.get(k, points[k]) for k in narrowed)):
+            overrides = tuple(f"{k}={format_value(v)}" for k, v in zip(narrowed, combo, strict=True))
             if overrides in loaded:
                 continue
             loaded.add(overrides)
