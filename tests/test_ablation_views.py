@@ -305,3 +305,16 @@ def test_an_ablation_over_many_points_without_retrieval_states_that_claim_once_a
     order = "SATFormer < ResFormer < Transformer in final validation loss"
     assert sorted(c for c in claims if c.startswith(order)) == sorted(
         [f"{order} (d_model={d})" for d in (32, 64, 128, 256, 512)] + [f"{order} (pooled over 5 settings of d_model)"])
+
+
+def test_a_title_wider_than_its_figure_is_wrapped_not_cut(tmp_path: Path) -> None:
+    from satlab.studies.ablation_plots import save_figure
+
+    titles: list[str] = []
+    figure = plt.figure(figsize=(8, 4))
+    figure.suptitle = lambda text, **_: titles.append(text)  # type: ignore[method-assign]
+    long = ("ladder_cpu_tuned: loss against compute, fitted compute-optimal frontiers with 90 % bands "
+            "(dashed: extrapolated)")
+    save_figure(figure, tmp_path / "f.png", long)
+    assert "\n" in titles[0] and max(len(line) for line in titles[0].splitlines()) <= 88
+    assert titles[0].replace("\n", " ") == long

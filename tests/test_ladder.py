@@ -182,6 +182,22 @@ def test_the_simulation_runs_the_ladders_shape_through_the_reports_claim_rule(tm
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlruns").exists()
 
 
+def test_the_backtest_simulation_runs_the_ladders_shape_and_refuses_what_it_cannot(tmp_path: Path, capsys) -> None:
+    four = [*RUNGS, {"d_model": 48, "n_layers": 2, "n_heads": 2, "mlp_hidden": 96}]
+    path = write(tmp_path, ladder_spec(tmp_path, rungs=four, seeds=[2, 1, 1, 1], lr=[4e-3, 3e-3, 2e-3, 2e-3],
+                                       fit={"grid": "coarse"}))
+    assert satlab_main(["ladder", str(path), "--simulate-backtest", "--replicates", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "its backtest on 2 simulated ladders" in printed and "2 top-rung runs each" in printed  # 2 budgets
+    assert "ladders with all 2 inside" in printed and "0.81" in printed  # 0.9 ** 2 if runs missed independently
+    assert satlab_main(["ladder", str(path), "--simulate-backtest", "--replicates", "1"]) == 2
+    assert "--replicates must be >= 2" in capsys.readouterr().err
+    three = write(tmp_path, ladder_spec(tmp_path, name="three"))
+    assert satlab_main(["ladder", str(three), "--simulate-backtest"]) == 2
+    assert "needs a ladder of 4 rungs or more" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlruns").exists()
+
+
 def test_the_gpu_ladder_states_its_assumed_throughput(capsys) -> None:
     assert satlab_main(["ladder", "ladder_gpu", "--dry-run"]) == 0
     out = capsys.readouterr().out

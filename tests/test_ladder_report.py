@@ -80,7 +80,7 @@ def test_the_seed_spread_pools_log_loss_over_seeds_of_one_rung_and_budget(tmp_pa
     small, large = L.plan(spec)[:2]
 
     def run(rung: L.Rung, tokens: float, loss: float) -> tuple[L.Rung, RunPoints]:
-        return rung, RunPoints("r", 1e4, (tokens,), (loss,))
+        return rung, RunPoints("r", 1e4 * (rung.index + 1), (tokens,), (loss,))  # a rung is a size
 
     # two seeds at (small, 100) differing by 0.2 in log loss, three at (large, 100) at -0.1, 0, +0.1, one alone:
     # squares 0.02 (1 dof) and 0.02 (2 dof): sqrt(0.04 / 3)

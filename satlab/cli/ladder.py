@@ -16,7 +16,9 @@ from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.loader import load_ablation
 
 if TYPE_CHECKING:
+    from satlab.studies.scaling_backtest import BacktestCalibration
     from satlab.studies.scaling_fit import ScalingLaw
+    from satlab.studies.scaling_sim import Ladder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run nothing: simulate this ladder (its sizes, budgets and seeds) with a known law and "
                              "a known multiplier through the report's fit, interval and claim rule, and print the "
                              "coverage, false-gain rate and power at each target size (docs/scaling-laws.md)")
-    parser.add_argument("--replicates", type=int, default=100, metavar="N", help="--simulate: ladders per multiplier")
+    parser.add_argument("--simulate-backtest", action="store_true",
+                        help="run nothing: how often the report's backtest passes when the law is right: simulated "
+                             "ladders of this shape drawn from a known law (--law, --run-sd), each backtested as the "
+                             "report does; prints the runs' coverage and how often every top-rung run is inside")
+    parser.add_argument("--replicates", type=int, default=100, metavar="N",
+                        help="--simulate: ladders per multiplier; --simulate-backtest: ladders")
     parser.add_argument("--sim-resamples", type=int, default=100, metavar="N",
                         help="--simulate: bootstrap refits per simulated ladder")
     parser.add_argument("--run-sd", default="0.01", metavar="SD",
@@ -71,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         return fit_ladder(spec, args.spec)
     if args.simulate:
         return simulate(spec, args.replicates, args.sim_resamples, args.run_sd, args.law, args.spec)
+    if args.simulate_backtest:
+        return simulate_backtest(spec, args.replicates, args.run_sd, args.law, args.spec)
     return run_grid(spec, args.workers, args.storage, not args.no_report)
 
 
@@ -82,38 +91,13 @@ def simulate(spec: AblationSpec, replicates: int, resamples: int, run_sd_text: s
     ``run_sd_text`` a number or "measured" (the finished runs' pooled seed spread)."""
     import dataclasses
 
-    from satlab.studies import ladder as L
     from satlab.studies.scaling_fit import compute_for_size
-    from satlab.studies.scaling_sim import EPOCH_LAW, Ladder, score, simulate_fits
+    from satlab.studies.scaling_sim import score, simulate_fits
 
-    measured = run_sd_text == "measured"
-    try:
-        run_sd = math.nan if measured else float(run_sd_text)
-    except ValueError:
-        run_sd = math.nan
-    if replicates < 2 or resamples < 2 or not (measured or run_sd >= 0):
-        raise ConfigError(f"--replicates and --sim-resamples must be >= 2 and --run-sd a number >= 0 or 'measured' "
-                          f"(got {replicates}, {resamples}, {run_sd_text!r})")
-    law, source = EPOCH_LAW, "Epoch's Chinchilla fit"
-    if measured or law_name == "fitted":
-        fitted, spread, dof, runs = finished_ladder(spec, target or spec.name)
-        if law_name == "fitted":
-            if fitted is None:
-                raise ConfigError(f"--law fitted needs finished runs of the reference architecture "
-                                  f"'{spec.ladder.reference}' at 3 or more rungs; the ladder '{spec.name}' has "
-                                  f"{runs}: run more of it (satlab ladder {target}) or use --law epoch")
-            law, source = fitted, (f"fitted to the {runs} finished {spec.ladder.reference} runs (E {fitted.E:.3g}, "
-                                   f"A {fitted.A:.3g}, alpha {fitted.alpha:.3g}, B {fitted.B:.3g}, "
-                                   f"beta {fitted.beta:.3g})")
-        if measured:
-            if dof == 0:
-                raise ConfigError(f"--run-sd measured needs two finished seeds of one rung and budget; the ladder "
-                                  f"'{spec.name}' has none yet: give --run-sd a number (e.g. 0.01)")
-            run_sd = spread
-            source += f"; seed noise measured on the finished runs ({dof} degrees of freedom)"
-    rungs = L.plan(spec)
-    shape = Ladder(sizes=tuple(float(r.counted) for r in rungs), tokens_per_param=tuple(spec.ladder.budgets),
-                   seeds=tuple(r.seeds for r in rungs), runs_per_budget=True)
+    if replicates < 2 or resamples < 2:
+        raise ConfigError(f"--replicates and --sim-resamples must be >= 2 (got {replicates}, {resamples})")
+    law, run_sd, source = true_law(spec, replicates, run_sd_text, law_name, target)
+    shape = ladder_shape(spec)
     sizes = {"top rung": shape.sizes[-1], **{f"N* = {n:.0e}": n for n in spec.ladder.fit.target_params}}
     table = Table(title=f"ladder '{spec.name}' simulated: {replicates} ladders per multiplier, {resamples} "
                         f"bootstrap refits each, seed noise {run_sd:.3g} on log loss, the true law {source}; claim "
@@ -131,6 +115,86 @@ def simulate(spec: AblationSpec, replicates: int, resamples: int, run_sd_text: s
     print("A gain claimed under multiplier 1 is a false gain (at most 0.05 by design); under 2 it is the power. "
           "The rates are Monte Carlo estimates (± their standard errors).")
     return 0
+
+
+def simulate_backtest(spec: AblationSpec, replicates: int, run_sd_text: str, law_name: str = "epoch",
+                      target: str | None = None) -> int:
+    """How often the report's backtest (the top rung held out, every run inside its prediction interval) passes on
+    ladders of this shape drawn from a known law, through the report's own fit, bootstrap and interval."""
+    from satlab.studies.scaling_backtest import BACKTEST_RESAMPLES
+    from satlab.studies.scaling_backtest import simulate_backtest as simulate_many
+    from satlab.studies.scaling_fit import GRIDS
+
+    shape = ladder_shape(spec)
+    if len(shape.sizes) < 4:
+        raise ConfigError(f"--simulate-backtest needs a ladder of 4 rungs or more (3 to fit below the top one held "
+                          f"out); '{spec.name}' has {len(shape.sizes)}")
+    law, run_sd, source = true_law(spec, replicates, run_sd_text, law_name, target)
+    fit = spec.ladder.fit
+    result = simulate_many(law, shape, run_sd, replicates, fit.seed, fit.level, fit.huber_delta,
+                           GRIDS[fit.grid], min(fit.resamples, BACKTEST_RESAMPLES))
+    k = result.runs_per_replicate
+    table = Table(title=f"ladder '{spec.name}': its backtest on {replicates} simulated ladders, seed noise "
+                        f"{run_sd:.3g} on log loss, the true law {source}; {k} top-rung runs each, "
+                        f"{fit.level:g} prediction intervals")
+    for column in ("measure", "rate", "if runs missed independently"):
+        table.add_column(column, justify="left" if column == "measure" else "right")
+    table.add_row("top-rung runs inside their interval", _rate(result, result.coverage), f"{fit.level:.2f}")
+    table.add_row(f"ladders with all {k} inside", _rate(result, result.all_inside), f"{fit.level ** k:.2f}")
+    table.add_row("ladders with at most 1 outside", _rate(result, result.at_most(1)),
+                  f"{fit.level ** k + k * (1 - fit.level) * fit.level ** (k - 1):.2f}")
+    make_console().print(table)
+    print("The law is right in every simulated ladder, so the pass rate of 'all inside' is the most an architecture "
+          "whose law holds can be expected to meet; the rates are Monte Carlo estimates (± their standard errors).")
+    return 0
+
+
+def _rate(result: BacktestCalibration, rate: float) -> str:
+    return f"{rate:.2f} ± {result.mc_se(rate):.2f}"
+
+
+def true_law(spec: AblationSpec, replicates: int, run_sd_text: str, law_name: str,
+             target: str | None) -> tuple[ScalingLaw, float, str]:
+    """The simulations' truth: the reference's law (Epoch's Chinchilla fit, or fitted to the ladder's finished
+    runs), the seed noise of a run (a number, or the finished runs' pooled seed spread), and a line saying which."""
+    from satlab.studies.scaling_sim import EPOCH_LAW
+
+    measured = run_sd_text == "measured"
+    try:
+        run_sd = math.nan if measured else float(run_sd_text)
+    except ValueError:
+        run_sd = math.nan
+    if replicates < 2 or not (measured or run_sd >= 0):
+        raise ConfigError(f"--replicates must be >= 2 and --run-sd a number >= 0 or 'measured' "
+                          f"(got {replicates}, {run_sd_text!r})")
+    law, source = EPOCH_LAW, "Epoch's Chinchilla fit"
+    if measured or law_name == "fitted":
+        fitted, spread, dof, runs = finished_ladder(spec, target or spec.name)
+        if law_name == "fitted":
+            if fitted is None:
+                raise ConfigError(f"--law fitted needs finished runs of the reference architecture "
+                                  f"'{spec.ladder.reference}' at 3 or more rungs; the ladder '{spec.name}' has "
+                                  f"{runs}: run more of it (satlab ladder {target}) or use --law epoch")
+            law, source = fitted, (f"fitted to the {runs} finished {spec.ladder.reference} runs (E {fitted.E:.3g}, "
+                                   f"A {fitted.A:.3g}, alpha {fitted.alpha:.3g}, B {fitted.B:.3g}, "
+                                   f"beta {fitted.beta:.3g})")
+        if measured:
+            if dof == 0:
+                raise ConfigError(f"--run-sd measured needs two finished seeds of one rung and budget; the ladder "
+                                  f"'{spec.name}' has none yet: give --run-sd a number (e.g. 0.01)")
+            run_sd = spread
+            source += f"; seed noise measured on the finished runs ({dof} degrees of freedom)"
+    return law, run_sd, source
+
+
+def ladder_shape(spec: AblationSpec) -> Ladder:
+    """The ladder's rung sizes (the count its budgets use), budgets and seeds, one run per budget, for simulation."""
+    from satlab.studies import ladder as L
+    from satlab.studies.scaling_sim import Ladder
+
+    rungs = L.plan(spec)
+    return Ladder(sizes=tuple(float(r.counted) for r in rungs), tokens_per_param=tuple(spec.ladder.budgets),
+                  seeds=tuple(r.seeds for r in rungs), runs_per_budget=True)
 
 
 def finished_ladder(spec: AblationSpec, target: str) -> tuple[ScalingLaw | None, float, int, int]:

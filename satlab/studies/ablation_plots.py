@@ -4,6 +4,7 @@ range), a metric against a difficulty axis per architecture, and gate heatmaps s
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def tile_images(items: Sequence[tuple[str, Path]], path: Path, title: str, colum
 
 def save_figure(figure: plt.Figure, path: Path, title: str, axes: plt.Axes | None = None, xlabel: str = "",
           ylabel: str = "", dpi: int = 120) -> Path:
-    """Title the figure (and label, grid and legend a line plot's ``axes``), write it to ``path`` and close it."""
+    """Title the figure (and label, grid and legend a line plot's ``axes``), write it to ``path`` and close it. A
+    title wider than the figure is wrapped (matplotlib would cut it at both edges)."""
+    title = textwrap.fill(title, width=max(40, int(figure.get_figwidth() * 11)))
     if axes is None:
         figure.suptitle(title)
     else:

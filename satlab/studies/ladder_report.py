@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from satlab.studies import scaling_backtest
 from satlab.studies.ablation_claims import arch_names
 from satlab.studies.ablation_plots import save_figure
 from satlab.studies.ablation_spec import AblationSpec
@@ -33,15 +34,11 @@ from satlab.studies.scaling_fit import (
     compute_for_size,
     fit_law,
     law_matrix,
-    loss_interval,
     multiplier_interval,
     multiplier_trend,
     optimal_points,
     standard_errors,
 )
-
-BACKTEST_RESAMPLES = 200
-"""Bootstrap refits of the backtest's lower-rung fit (its interval only needs the 5th and 95th percentiles)."""
 
 
 def rung_of(rungs: Sequence[Rung], values: dict[str, Any]) -> Rung | None:
@@ -71,29 +68,15 @@ def ladder_runs(spec: AblationSpec, groups: Sequence[GroupResult], rungs: Sequen
 
 def seed_spread(runs: Sequence[tuple[Rung, RunPoints]]) -> float:
     """The pooled standard deviation of log loss between seeds of one (rung, budget): the noise of a new run."""
-    squares, dof = _spread_terms(runs)
-    return math.sqrt(squares / dof) if dof else 0.0
+    return scaling_backtest.seed_spread([run for _, run in runs])
 
 
 def pooled_seed_spread(found: dict[str, list[tuple[Rung, RunPoints]]]) -> tuple[float, int]:
     """:func:`seed_spread` pooled over architectures (each compared only with its own seeds), and its degrees of
     freedom (0: no point has two seeds yet)."""
-    terms = [_spread_terms(runs) for runs in found.values()]
+    terms = [scaling_backtest.spread_terms([run for _, run in runs]) for runs in found.values()]
     squares, dof = sum(t[0] for t in terms), sum(t[1] for t in terms)
     return (math.sqrt(squares / dof) if dof else 0.0), dof
-
-
-def _spread_terms(runs: Sequence[tuple[Rung, RunPoints]]) -> tuple[float, int]:
-    """Sum of squared deviations of log loss from each (rung, budget)'s seed mean, and its degrees of freedom."""
-    by_point: dict[tuple[int, float], list[float]] = {}
-    for rung, run in runs:
-        by_point.setdefault((rung.index, run.D[0]), []).append(math.log(run.L[0]))
-    squares, dof = 0.0, 0
-    for logs in by_point.values():
-        if len(logs) > 1:
-            squares += float(np.sum((np.array(logs) - np.mean(logs)) ** 2))
-            dof += len(logs) - 1
-    return squares, dof
 
 
 def backtest(spec: AblationSpec, runs: Sequence[tuple[Rung, RunPoints]], top: int) -> dict[str, Any] | None:
@@ -103,16 +86,12 @@ def backtest(spec: AblationSpec, runs: Sequence[tuple[Rung, RunPoints]], top: in
     held = [run for rung, run in runs if rung.index == top]
     if not held or len({run.N for run in lower}) < 3:
         return None
-    law = fit_law(lower, fit.huber_delta, GRIDS[fit.grid])
-    laws = bootstrap_laws(lower, min(fit.resamples, BACKTEST_RESAMPLES), fit.seed, fit.huber_delta, full=law,
-                          grid=GRIDS[fit.grid])
     noise = seed_spread(runs)
-    rows = []
-    for run in held:
-        interval = loss_interval(law, laws, run.N, run.D[0], fit.level, noise_sd=noise, seed=fit.seed)
-        rows.append({"run": run.run, "tokens": run.D[0], "loss": run.L[0], "predicted": interval.point,
-                     "lower": interval.lower, "upper": interval.upper,
-                     "inside": interval.lower <= run.L[0] <= interval.upper})
+    intervals = scaling_backtest.predict_held_out(lower, held, noise, fit.level, fit.huber_delta, GRIDS[fit.grid],
+                                                  min(fit.resamples, scaling_backtest.BACKTEST_RESAMPLES), fit.seed)
+    rows = [{"run": run.run, "tokens": run.D[0], "loss": run.L[0], "predicted": iv.point, "lower": iv.lower,
+             "upper": iv.upper, "inside": iv.lower <= run.L[0] <= iv.upper}
+            for run, iv in zip(held, intervals, strict=True)]
     return {"rung": top, "fitted_runs": len(lower), "noise_sd": noise, "runs": rows,
             "inside": sum(r["inside"] for r in rows)}
 
