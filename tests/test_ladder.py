@@ -198,6 +198,16 @@ def test_the_backtest_simulation_runs_the_ladders_shape_and_refuses_what_it_cann
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlruns").exists()
 
 
+@pytest.mark.parametrize("modes", [["--fit", "--simulate"], ["--dry-run", "--simulate-backtest"],
+                                   ["--simulate", "--simulate-backtest"]])
+def test_two_modes_at_once_are_refused(tmp_path: Path, capsys, modes: list[str]) -> None:
+    path = write(tmp_path, ladder_spec(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        satlab_main(["ladder", str(path), *modes])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlruns").exists()
+
+
 def test_the_gpu_ladder_states_its_assumed_throughput(capsys) -> None:
     assert satlab_main(["ladder", "ladder_gpu", "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -32,32 +32,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", metavar="URL",
                         help="Optuna storage of the ladder's cells (default sqlite:///<out_dir>/optuna.db); a shared "
                              "postgresql:// URL lets several hosts (or a SLURM array) take cells from one queue")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print each rung's parameters, FLOPs per token, budgets, runs and cost, and the grid; "
-                             "run nothing")
+    mode = parser.add_mutually_exclusive_group()  # each runs nothing but itself: two at once is refused (exit 2)
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print each rung's parameters, FLOPs per token, budgets, runs and cost, and the grid; "
+                           "run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
-    parser.add_argument("--simulate", action="store_true",
-                        help="run nothing: simulate this ladder (its sizes, budgets and seeds) with a known law and "
-                             "a known multiplier through the report's fit, interval and claim rule, and print the "
-                             "coverage, false-gain rate and power at each target size (docs/scaling-laws.md)")
-    parser.add_argument("--simulate-backtest", action="store_true",
-                        help="run nothing: how often the report's backtest passes when the law is right: simulated "
-                             "ladders of this shape drawn from a known law (--law, --run-sd), each backtested as the "
-                             "report does; prints the runs' coverage and how often every top-rung run is inside")
+    mode.add_argument("--simulate", action="store_true",
+                      help="run nothing: simulate this ladder (its sizes, budgets and seeds) with a known law and "
+                           "a known multiplier through the report's fit, interval and claim rule, and print the "
+                           "coverage, false-gain rate and power at each target size (docs/scaling-laws.md)")
+    mode.add_argument("--simulate-backtest", action="store_true",
+                      help="run nothing: how often the report's backtest passes when the law is right: simulated "
+                           "ladders of this shape drawn from a known law (--law, --run-sd), each backtested as the "
+                           "report does; prints the runs' coverage and how often every top-rung run is inside")
     parser.add_argument("--replicates", type=int, default=100, metavar="N",
                         help="--simulate: ladders per multiplier; --simulate-backtest: ladders")
     parser.add_argument("--sim-resamples", type=int, default=100, metavar="N",
                         help="--simulate: bootstrap refits per simulated ladder")
     parser.add_argument("--run-sd", default="0.01", metavar="SD",
-                        help="--simulate: seed noise of a run on log loss (default 0.01, satlab's tiny runs), or "
-                             "'measured': the seed spread of this ladder's finished runs")
+                        help="--simulate, --simulate-backtest: seed noise of a run on log loss (default 0.01, "
+                             "satlab's tiny runs), or 'measured': the seed spread of this ladder's finished runs")
     parser.add_argument("--law", choices=("epoch", "fitted"), default="epoch",
-                        help="--simulate: the true law of the reference architecture: Epoch's Chinchilla estimates "
-                             "(default; known before any run), or 'fitted': the law fitted to this ladder's finished "
-                             "runs of the reference architecture (at least 3 rungs)")
-    parser.add_argument("--fit", action="store_true",
-                        help="run nothing: fit the finished ladder and write its report (refused while a cell is "
-                             "unfinished; `satlab report` writes a partial one)")
+                        help="--simulate, --simulate-backtest: the true law of the reference architecture: Epoch's "
+                             "Chinchilla estimates (default; known before any run), or 'fitted': the law fitted to "
+                             "this ladder's finished runs of the reference architecture (at least 3 rungs)")
+    mode.add_argument("--fit", action="store_true",
+                      help="run nothing: fit the finished ladder and write its report (refused while a cell is "
+                           "unfinished; `satlab report` writes a partial one)")
 
 
 def run(args: argparse.Namespace) -> int:
