@@ -26,6 +26,7 @@ TRANSFER_RULES = ("mup", "completep")
 OWNED_KEYS = ("model.arch", "train.max_tokens", "optim.lr", "optim.warmup_tokens", "optim.warmup_fraction")
 """Config keys a rung may not set: the ladder sets them (the architecture is an axis of the spec)."""
 PARAM_COUNTS = ("total", "non_embedding")
+BANDS = ("pointwise", "simultaneous")
 
 
 @dataclass
@@ -34,7 +35,13 @@ class LadderFit:
     ``resamples`` bootstrap refits drawn by run from ``seed``, intervals at ``level``, the compute multiplier at the
     compute-optimal ``target_params`` sizes, and the backtest (``top_rung``: fit on the lower rungs, predict the top
     one; ``none``). ``grid``: the fit's starting points, Hoffmann et al.'s 4,500 (``hoffmann``) or 243 of them
-    (``coarse``, ~18x faster, for a quick look)."""
+    (``coarse``, ~18x faster, for a quick look).
+
+    The backtest's ``band``: ``pointwise`` gives each top-rung run its own ``level`` interval, so a correct law
+    still misses about one run in ten; ``simultaneous`` widens each of the k runs judged to 1 - (1 - level)/k
+    (Bonferroni), so that all of them fall inside together with probability at least ``level`` when the law holds.
+    ``backtest_seeds``: the top-rung seeds the backtest judges (all when empty), e.g. seeds added to the top rung
+    after a plan was fixed, to judge only runs nobody had seen when the reading was chosen."""
 
     huber_delta: float = field(default=1e-3, metadata=in_range(0, 10, True))
     resamples: int = field(default=1000, metadata=in_range(10, 10**6))
@@ -43,6 +50,8 @@ class LadderFit:
     target_params: list[float] = field(default_factory=lambda: [1e9, 1e10, 1e11])
     backtest: str = field(default="top_rung", metadata={"choices": ("top_rung", "none"), "label": "backtest"})
     grid: str = field(default="hoffmann", metadata={"choices": ("hoffmann", "coarse"), "label": "start grid"})
+    band: str = field(default="pointwise", metadata={"choices": BANDS, "label": "backtest band"})
+    backtest_seeds: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -114,11 +123,24 @@ class LadderPlan:
             problems.append(f"{prefix}reference {quoted(self.reference)} is not a value of the model.arch axis "
                             f"{shown(arch)}: the reference's parameter count sets every rung's token budgets, and "
                             "its fit is what the others' compute multipliers are measured against")
+        problems.extend(self.backtest_seed_problems(prefix))
         targets = self.fit.target_params
         if not targets or not all(_positive(t) for t in targets):
             problems.append(f"{prefix}fit.target_params must be positive parameter counts, e.g. [1e9, 1e10, 1e11], "
                             f"got {shown(targets)}")
         return problems
+
+    def backtest_seed_problems(self, prefix: str = "ladder.") -> list[str]:
+        """The seeds the backtest judges must be seeds the top rung runs."""
+        chosen, seeds = self.fit.backtest_seeds, self.seeds[-1] if self.seeds else None
+        if not chosen or not isinstance(seeds, int):
+            return []
+        if all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < seeds for s in chosen) \
+                and len(set(chosen)) == len(chosen):
+            return []
+        return [f"{prefix}fit.backtest_seeds must be distinct seeds of the top rung, which runs seeds 0 to "
+                f"{seeds - 1} (ladder.seeds[-1] = {seeds}), got {shown(chosen)}; leave it empty to judge every "
+                "top-rung run"]
 
     def lr_problems(self, parametrization: str | None, prefix: str = "ladder.") -> list[str]:
         """One learning rate per rung, or a single number when the parametrisation transfers it."""
