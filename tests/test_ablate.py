@@ -363,6 +363,9 @@ def test_micro_ablation_runs_reports_and_resumes(tmp_path: Path) -> None:
     adopted, redo = spec.cells()[0].key, spec.cells()[3].key
     client.delete_run(runs[redo])  # the cell's MLflow record gone: it is rerun
     grown = load_ablation(write_micro_spec(tmp_path), ["axes.train.seed=[0, 1, 2]"])  # and the grid grows a seed
+    before = GridPlan(grown)  # its dry run, before it runs: the earlier grid's cells are adopted, the new seed's not
+    assert before.recorded_study() is None and adopted in before.finished_in_earlier_grids()
+    assert not {c.key for c in grown.cells() if c.seed == 2} & before.finished_in_earlier_grids()
     third = run_study(grown, workers=2, report=False)  # (Optuna's choices change: a study of its own)
     assert sorted(third.finished) == sorted([redo, *(c.key for c in grown.cells() if c.seed == 2)])
     assert sorted(third.skipped) == sorted(k for k in runs if k != redo) and adopted in third.skipped

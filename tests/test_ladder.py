@@ -128,6 +128,8 @@ BAD = {
     "seeds": ({"seeds": [1, 1]}, "each rung's number of seeds"),
     "owned key": ({"rungs": [{**r, "optim.lr": 1e-3} for r in RUNGS]}, "is set by the ladder"),
     "budgets": ({"budgets": [20, 10]}, "positive and increasing"),
+    "backtest seed": ({"fit": {"backtest_seeds": [1]}}, "must be distinct seeds of the top rung"),
+    "backtest band": ({"fit": {"band": "joint"}}, "unknown backtest band 'joint'"),
 }
 
 
@@ -187,11 +189,22 @@ def test_the_backtest_simulation_runs_the_ladders_shape_and_refuses_what_it_cann
     path = write(tmp_path, ladder_spec(tmp_path, rungs=four, seeds=[2, 1, 1, 1], lr=[4e-3, 3e-3, 2e-3, 2e-3],
                                        fit={"grid": "coarse"}))
     assert satlab_main(["ladder", str(path), "--simulate-backtest", "--replicates", "2"]) == 0
-    printed = capsys.readouterr().out
-    assert "its backtest on 2 simulated ladders" in printed and "2 top-rung runs each" in printed  # 2 budgets
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "its backtest on 2 simulated ladders" in printed and "2 top-rung runs judged (every seed)" in printed
     assert "ladders with all 2 inside" in printed and "0.81" in printed  # 0.9 ** 2 if runs missed independently
     assert satlab_main(["ladder", str(path), "--simulate-backtest", "--replicates", "1"]) == 2
     assert "--replicates must be >= 2" in capsys.readouterr().err
+    for shift in ("1.5", "nan"):
+        assert satlab_main(["ladder", str(path), "--simulate-backtest", "--top-shift", shift]) == 2
+        assert "--top-shift is a shift of log loss" in capsys.readouterr().err
+    banded = write(tmp_path, ladder_spec(tmp_path, name="banded", rungs=four, seeds=[2, 1, 1, 2],
+                                         lr=[4e-3, 3e-3, 2e-3, 2e-3],
+                                         fit={"grid": "coarse", "band": "simultaneous", "backtest_seeds": [1]}))
+    assert satlab_main(["ladder", str(banded), "--simulate-backtest", "--replicates", "2", "--top-shift",
+                        "0.5"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "2 top-rung runs judged (seeds 1), simultaneous band: 0.95 prediction interval" in printed  # 1 - 0.1/2
+    assert "the top rung shifted by +0.5 in log loss" in printed
     three = write(tmp_path, ladder_spec(tmp_path, name="three"))
     assert satlab_main(["ladder", str(three), "--simulate-backtest"]) == 2
     assert "needs a ladder of 4 rungs or more" in capsys.readouterr().err

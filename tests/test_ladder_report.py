@@ -25,12 +25,14 @@ RUNGS = [{"d_model": 16, "n_layers": 1, "n_heads": 1, "mlp_hidden": 32},
          {"d_model": 48, "n_layers": 3, "n_heads": 3, "mlp_hidden": 96}]
 
 
-def finished(tmp_path: Path, multiplier: float, noise: float = 0.002):
+def finished(tmp_path: Path, multiplier: float, noise: float = 0.002, seeds: tuple[int, ...] = (2, 2, 1, 1),
+             top_shift: float = 0.0, **fit: object):
     """A 4-rung ladder (3 budgets, 2 seeds on the first two rungs) with every cell finished: the Transformer's loss
-    from TRUE, SATFormer's from TRUE with a compute multiplier, times exp(N(0, noise)) per run."""
+    from TRUE, SATFormer's from TRUE with a compute multiplier, times exp(N(0, noise)) per run; the top rung's runs
+    of its last seed times exp(top_shift) (a top rung off the law)."""
     spec = load_ablation(write(tmp_path, ladder_spec(tmp_path, rungs=RUNGS, budgets=[0.25, 0.5, 1.0],
-                                                     seeds=[2, 2, 1, 1], lr=[4e-3] * 4,
-                                                     fit={"resamples": 60, "seed": 0, "grid": "coarse"})))
+                                                     seeds=list(seeds), lr=[4e-3] * 4,
+                                                     fit={"resamples": 60, "seed": 0, "grid": "coarse", **fit})))
     rungs = L.plan(spec)
     laws = {"transformer": TRUE, "satformer": law_with_multiplier(TRUE, multiplier)}
     rng = np.random.default_rng(1)
@@ -41,6 +43,8 @@ def finished(tmp_path: Path, multiplier: float, noise: float = 0.002):
         arch = values["model.arch"]
         n = rung.sizes[arch].count(spec.ladder.per)
         loss = float(laws[arch].loss(n, values["train.max_tokens"])) * math.exp(rng.normal(0, noise))
+        if rung.index == len(rungs) - 1 and cell.seed == seeds[-1] - 1:
+            loss *= math.exp(top_shift)
         group = groups.setdefault(cell.group, GroupResult(cell.group, values, 0))
         group.cells.append(CellResult(cell, f"run-{cell.slug}", {"val_loss": loss}, n, []))
     return spec, list(groups.values())
@@ -66,6 +70,28 @@ def test_a_known_multiplier_is_recovered_claimed_and_backtested(tmp_path: Path) 
         for run in backtest["runs"]:  # extrapolated from three sizes: the law's value to ~1 % (measured 0.0-1.4 %)
             assert run["predicted"] == pytest.approx(run["loss"], rel=0.03) and run["lower"] < run["predicted"] \
                 < run["upper"]
+
+
+def test_a_simultaneous_band_judges_the_named_top_rung_seeds_and_fails_a_top_rung_off_the_law(tmp_path: Path) \
+        -> None:
+    """Seeds 0 and 1 at the top rung, seed 1 judged: its three runs, each at 1 - 0.1/3. On the law it passes, and
+    its intervals contain the pointwise ones; with seed 1's top-rung losses 10 % above the law (the negative
+    control) it fails, every run above its interval."""
+    band = {"band": "simultaneous", "backtest_seeds": [1]}
+    lines, summary, _ = ladder_section(*finished(tmp_path, 1.0, seeds=(2, 2, 1, 2), **band), tmp_path)
+    test = summary["fits"]["transformer"]["backtest"]
+    assert (test["band"], test["seeds"], test["run_level"]) == ("simultaneous", [1], pytest.approx(1 - 0.1 / 3))
+    assert [r["seed"] for r in test["runs"]] == [1, 1, 1] and test["passed"] and test["inside"] == 3
+    text = " ".join(" ".join(lines).split())
+    assert "the top rung's runs of seed 1 judged with a simultaneous 90 % band" in text
+    assert "Transformer passed: 3 of 3 top-rung runs inside" in text
+    _, plain, _ = ladder_section(*finished(tmp_path, 1.0, seeds=(2, 2, 1, 2), backtest_seeds=[1]), tmp_path)
+    for wide, narrow in zip(test["runs"], plain["fits"]["transformer"]["backtest"]["runs"], strict=True):
+        assert wide["lower"] < narrow["lower"] and narrow["upper"] < wide["upper"]
+    lines, off, _ = ladder_section(*finished(tmp_path, 1.0, seeds=(2, 2, 1, 2), top_shift=0.1, **band), tmp_path)
+    test = off["fits"]["transformer"]["backtest"]
+    assert not test["passed"] and {r["side"] for r in test["runs"]} == {"above"}
+    assert "Transformer failed: 0 of 3 top-rung runs inside" in " ".join(" ".join(lines).split())
 
 
 def test_without_a_true_gain_no_gain_is_claimed_at_the_ladders_compute(tmp_path: Path) -> None:

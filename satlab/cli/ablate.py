@@ -77,11 +77,15 @@ def run_grid(spec: AblationSpec, workers: int, storage: str | None, report: bool
 
 
 def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
-    """The cells in run order, with the status the study records (MLflow is not opened)."""
+    """The cells in run order, with the status the study records (MLflow is not opened); a grid that grew and has
+    not run since shows the cells its earlier grid finished, which the run adopts."""
     from satlab.studies.plans import GridPlan
 
     plan = GridPlan(spec)
-    status = plan.cell_status(plan.recorded_study(storage))
+    study = plan.recorded_study(storage)
+    status = plan.cell_status(study)
+    if study is None:
+        status |= dict.fromkeys(plan.finished_in_earlier_grids(storage), "finished (an earlier grid)")
     table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
     for column in ("#", "cell", "group", "status"):
         table.add_column(column)

@@ -236,6 +236,20 @@ class GridPlan:
         except KeyError:  # no study of this name (a grid that grew has not run yet)
             return None
 
+    def finished_in_earlier_grids(self, storage: str | None = None) -> set[str]:
+        """This grid's cells finished in the ablation's studies of an earlier grid (same name and settings, fewer
+        seeds or values): a run of this grid adopts them from their MLflow runs. Reads only."""
+        url = storage or self.spec.storage or self.spec.storage_url()
+        if missing_sqlite_file(url):
+            return set()
+        rdb = open_storage(url, create_tables=False)
+        prefix, done = f"{self.spec.name}.{self.spec.fingerprint()}.", set()
+        for name in optuna.get_all_study_names(rdb):
+            if name.startswith(prefix) and name != self.study_name():
+                trials = self.trials_by_cell(optuna.load_study(study_name=name, storage=rdb))
+                done |= {key for key, ts in trials.items() if any(t.state == TrialState.COMPLETE for t in ts)}
+        return done
+
     def cell_status(self, study: optuna.Study | None) -> dict[str, str]:
         """Each cell's state as its latest trial records it: finished, running, failed (with why), queued or
         not run."""

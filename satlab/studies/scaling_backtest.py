@@ -7,6 +7,10 @@ rung's k runs inside fails about 1 - 0.9**k of the time on a correct law (0.47 f
 fit, so the true rate can be higher still. :func:`simulate_backtest` measures that rate on simulated ladders of a
 given shape and law, through the same :func:`predict_held_out` the report uses, so that an observed backtest can be
 read against what a correct law would give.
+
+A ``simultaneous`` band judges the rung as a whole: each of the k runs gets the level 1 - (1 - level)/k
+(Bonferroni), so that all k fall inside together with probability at least ``level`` on a correct law, whatever the
+dependence between them; ``pointwise`` keeps each run at ``level``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,20 @@ from satlab.studies.scaling_sim import Ladder, simulate_runs
 
 BACKTEST_RESAMPLES = 200
 """Bootstrap refits of the backtest's lower-rung fit (its interval only needs the 5th and 95th percentiles)."""
+TAIL_VALUES = 10
+"""The fewest values (bootstrap fits x noise draws) beyond each end of a prediction interval."""
+
+
+def run_level(level: float, judged: int, band: str = "pointwise") -> float:
+    """The level of each judged run's interval: ``level`` (pointwise), or 1 - (1 - level)/judged (simultaneous)."""
+    if band not in ("pointwise", "simultaneous") or judged < 1:
+        raise ValueError(f"band must be pointwise or simultaneous and judged >= 1 (got {band!r}, {judged})")
+    return level if band == "pointwise" else 1.0 - (1.0 - level) / judged
+
+
+def judged_runs(held: Sequence[RunPoints], seeds: Sequence[int] = ()) -> list[RunPoints]:
+    """The held-out runs the backtest judges: those of ``seeds``, or all when none are named."""
+    return [run for run in held if not seeds or run.seed in seeds]
 
 
 def spread_terms(runs: Sequence[RunPoints]) -> tuple[float, int]:
@@ -62,7 +80,9 @@ def predict_held_out(lower: Sequence[RunPoints], held: Sequence[RunPoints], nois
     grid = grid or HOFFMANN_GRID
     law = fit_law(lower, delta, grid)
     laws = bootstrap_laws(lower, resamples, seed, delta, full=law, grid=grid)
-    return [loss_interval(law, laws, run.N, run.D[0], level, noise_sd=noise_sd, seed=seed) for run in held]
+    draws = math.ceil(2 * TAIL_VALUES / ((1.0 - level) * len(laws)))
+    return [loss_interval(law, laws, run.N, run.D[0], level, noise_sd=noise_sd, seed=seed, draws=draws)
+            for run in held]
 
 
 @dataclass(frozen=True)
@@ -97,11 +117,13 @@ class BacktestCalibration:
 
 def simulate_backtest(law: ScalingLaw, ladder: Ladder, run_sd: float, replicates: int = 100, seed: int = 0,
                       level: float = CLAIM_LEVEL, delta: float = 1e-3, grid: StartGrid | None = None,
-                      resamples: int = BACKTEST_RESAMPLES, top_shift: float = 0.0) -> BacktestCalibration:
+                      resamples: int = BACKTEST_RESAMPLES, top_shift: float = 0.0, band: str = "pointwise",
+                      seeds: Sequence[int] = ()) -> BacktestCalibration:
     """`replicates` ladders drawn from `law` with seed noise `run_sd`, each backtested as the report does: the top
-    rung held out, the noise taken from the replicate's own seed spread (every rung's, as the report takes it).
-    `top_shift` moves the top rung's log loss off the law (a law that breaks above the rungs fitted): 0 measures
-    the backtest's pass rate when the law holds, a shift its power to see a break."""
+    rung held out, its runs of `seeds` (all when none) judged at the `band`'s level, the noise taken from the
+    replicate's own seed spread (every rung's, as the report takes it). `top_shift` moves the top rung's log loss
+    off the law (a law that breaks above the rungs fitted): 0 measures the backtest's pass rate when the law holds,
+    a shift its power to see a break."""
     if replicates < 1 or len(ladder.sizes) < 4:
         raise ValueError(f"a backtest simulation needs replicates >= 1 and 4 rungs or more, 3 to fit below the one "
                          f"held out (got {replicates} replicates, {len(ladder.sizes)} rungs).")
@@ -111,8 +133,9 @@ def simulate_backtest(law: ScalingLaw, ladder: Ladder, run_sd: float, replicates
     for i in range(replicates):
         runs = simulate_runs(law, ladder, rng, run_sd)
         lower = [run for run in runs if top > run.N]
-        held = [dataclasses.replace(run, L=tuple(v * math.exp(top_shift) for v in run.L))
-                for run in runs if top == run.N]
-        intervals = predict_held_out(lower, held, seed_spread(runs), level, delta, grid, resamples, seed + i)
+        held = judged_runs([dataclasses.replace(run, L=tuple(v * math.exp(top_shift) for v in run.L))
+                            for run in runs if top == run.N], seeds)
+        each = run_level(level, len(held), band)
+        intervals = predict_held_out(lower, held, seed_spread(runs), each, delta, grid, resamples, seed + i)
         misses.append(sum(not iv.lower <= run.L[0] <= iv.upper for iv, run in zip(intervals, held, strict=True)))
     return BacktestCalibration(len(held), tuple(misses))

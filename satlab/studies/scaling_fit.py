@@ -97,6 +97,7 @@ class RunPoints:
     N: float
     D: tuple[float, ...]
     L: tuple[float, ...]
+    seed: int | None = None  # which seed of its size it is, where known (a backtest may judge some seeds only)
 
 
 @dataclass(frozen=True)
@@ -405,12 +406,14 @@ def compute_for_size(reference: ScalingLaw, N: float, flops: FlopsPerToken = six
 
 
 def loss_interval(law: ScalingLaw, laws: Sequence[ScalingLaw], N: float, D: float, level: float = CLAIM_LEVEL,
-                  noise_sd: float = 0.0, seed: int = 0) -> Interval:
+                  noise_sd: float = 0.0, seed: int = 0, draws: int = 1) -> Interval:
     """The loss predicted at (N, D) by the full fit, with the percentile interval of the bootstrap fits'
-    predictions; noise_sd (on log loss, per run) adds a new run's seed noise, making it a prediction interval."""
+    predictions; noise_sd (on log loss, per run) adds a new run's seed noise, making it a prediction interval.
+    ``draws`` noise draws per bootstrap fit: a level near 1 needs more values than fits to place its ends."""
     _check_pairs(laws, laws, level)
     pred = law_matrix(laws)
     values = pred[:, 2] + pred[:, 0] / float(N) ** pred[:, 3] + pred[:, 1] / float(D) ** pred[:, 4]
+    values = np.repeat(values, draws)
     values = values * np.exp(noise_sd * np.random.default_rng(seed).standard_normal(len(values)))
     lo, hi = _percentiles(values, level)
     return Interval(float(law.loss(N, D)), lo, hi, level)

@@ -90,10 +90,11 @@ def simulate_runs(law: ScalingLaw, ladder: Ladder, rng: np.random.Generator, run
                 for d in D:
                     noise = run_sd * rng.standard_normal() + point_sd * rng.standard_normal()
                     runs.append(RunPoints(f"N{size:.3g}-D{d:.3g}-s{s}", float(size), (float(d),),
-                                          (float(law.loss(size, d)) * float(np.exp(noise)),)))
+                                          (float(law.loss(size, d)) * float(np.exp(noise)),), seed=s))
                 continue
             noise = run_sd * rng.standard_normal() + point_sd * rng.standard_normal(len(D))
-            runs.append(RunPoints(f"N{size:.3g}-s{s}", float(size), tuple(D), tuple(law.loss(size, D) * np.exp(noise))))
+            runs.append(RunPoints(f"N{size:.3g}-s{s}", float(size), tuple(D), tuple(law.loss(size, D) * np.exp(noise)),
+                                  seed=s))
     return runs
 
 
