@@ -75,6 +75,11 @@ def test_rungs_are_planned_as_computed_by_hand(tmp_path: Path) -> None:
     assert transformer_params(16, 1, 1, 32) == (6768, 2640)
     assert rungs[0].steps == (7, 26) and rungs[0].tokens == (1792, 6656) and rungs[0].warmup_tokens == 768
     assert rungs[0].sizes["transformer"].flops_per_token == 6 * 6768 + 12 * 16 * 64 == 52_896
+    # its 1,792-token run validates 7 times (every 256 tokens) on 256 tokens, each a third of a training token:
+    # 1,792 + 7 x 256 / 3 = 2,389.33 tokens' FLOPs; the 6,656-token run 6,656 + 26 x 256 / 3 = 8,874.67
+    assert rungs[0].run_flops("transformer", 1792) == pytest.approx(52_896 * 2389.333, rel=1e-6)
+    assert rungs[0].run_cpu_seconds("transformer", 6656) == pytest.approx(
+        L.CPU_SECONDS_PER_RUN + 8874.667 * L.CPU_SECONDS_PER_TOKEN + 52_896 * 8874.667 / 1e9 * L.CPU_SECONDS_PER_GFLOP)
     # SATFormer's gates make it larger at rung 2, but its budgets are the reference's
     assert rungs[2].sizes["satformer"].params > rungs[2].counted == transformer_params(32, 2, 2, 64)[0]
 
@@ -166,6 +171,25 @@ def test_the_dry_run_prints_each_rungs_plan_and_cost(tmp_path: Path, capsys) -> 
     assert f"{total:,}" in out and f"{non_embedding:,}" in out
     assert "CPU time" in out and "s per GFLOP" in out and "16 cells" in out and "not run" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_the_dry_run_prices_the_runs_left_to_run(tmp_path: Path, capsys) -> None:
+    """Each cell priced alone adds up to the ladder's total; with some cells finished the dry run prices the rest
+    (here seed 1, which only rung 0 runs: 2 architectures x 2 budgets)."""
+    from satlab.cli.ladder import _duration, print_ladder
+
+    spec = load_ablation(write(tmp_path, ladder_spec(tmp_path)))
+    rungs = L.plan(spec)
+    by_rung = {r.index: r for r in rungs}
+    each = {c.key: by_rung[next(r.index for r in rungs if all(c.group_values[k] == v for k, v in r.values.items()))]
+            .run_cpu_seconds(c.group_values["model.arch"], c.group_values["train.max_tokens"]) for c in spec.cells()}
+    assert sum(each.values()) == pytest.approx(sum(r.cpu_seconds() for r in rungs))
+    left = [c for c in spec.cells() if c.seed == 1]
+    print_ladder(spec, left)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"4 of 16 runs left to run: {_duration(sum(each[c.key] for c in left))}" in out
+    print_ladder(spec, [])
+    assert "every run has finished" in capsys.readouterr().out
 
 
 def test_the_simulation_runs_the_ladders_shape_through_the_reports_claim_rule(tmp_path: Path, capsys) -> None:

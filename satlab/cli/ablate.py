@@ -76,9 +76,9 @@ def run_grid(spec: AblationSpec, workers: int, storage: str | None, report: bool
     return EXIT_REQUEUE if result.interrupted else 1 if result.failed else 0
 
 
-def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
-    """The cells in run order, with the status the study records (MLflow is not opened); a grid that grew and has
-    not run since shows the cells its earlier grid finished, which the run adopts."""
+def grid_status(spec: AblationSpec, storage: str | None = None) -> dict[str, str]:
+    """Each cell's status as the study records it (MLflow is not opened); a grid that grew and has not run since
+    shows the cells its earlier grid finished, which the run adopts."""
     from satlab.studies.plans import GridPlan
 
     plan = GridPlan(spec)
@@ -86,6 +86,12 @@ def print_grid(spec: AblationSpec, storage: str | None = None) -> None:
     status = plan.cell_status(study)
     if study is None:
         status |= dict.fromkeys(plan.finished_in_earlier_grids(storage), "finished (an earlier grid)")
+    return status
+
+
+def print_grid(spec: AblationSpec, storage: str | None = None, status: dict[str, str] | None = None) -> None:
+    """The cells in run order, with their :func:`grid_status`."""
+    status = status or grid_status(spec, storage)
     table = Table(title=f"ablation '{spec.name}': {len(spec.cells())} cells, base {spec.base}")
     for column in ("#", "cell", "group", "status"):
         table.add_column(column)

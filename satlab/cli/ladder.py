@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from satlab.config.errors import ConfigError
 from satlab.console import console as make_console
-from satlab.studies.ablation_spec import AblationSpec
+from satlab.studies.ablation_spec import AblationSpec, Cell
 from satlab.studies.loader import load_ablation
 
 if TYPE_CHECKING:
+    from satlab.studies.ladder import Rung
     from satlab.studies.scaling_backtest import BacktestCalibration
     from satlab.studies.scaling_fit import ScalingLaw
     from satlab.studies.scaling_sim import Ladder
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from satlab.cli.ablate import print_grid, run_grid
+    from satlab.cli.ablate import grid_status, print_grid, run_grid
 
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
@@ -75,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
                           "ablate, or give it ladder: {rungs: [...], budgets: [...], seeds: [...], lr: ...} "
                           "(docs/ladder.md)")
     if args.dry_run:
-        print_ladder(spec)
-        print_grid(spec, args.storage)
+        status = grid_status(spec, args.storage)
+        print_ladder(spec, [cell for cell in spec.cells() if not status[cell.key].startswith("finished")])
+        print_grid(spec, args.storage, status)
         return 0
     if args.fit:
         return fit_ladder(spec, args.spec)
@@ -256,8 +259,9 @@ def fit_ladder(spec: AblationSpec, target: str) -> int:
     return 0
 
 
-def print_ladder(spec: AblationSpec) -> None:
-    """Per rung and architecture: sizes, FLOPs per token, budgets, runs; per rung the cost, then the totals."""
+def print_ladder(spec: AblationSpec, left: Sequence[Cell] | None = None) -> None:
+    """Per rung and architecture: sizes, FLOPs per token, budgets, runs; per rung the cost, then the totals, and
+    those of the cells ``left`` to run (when some have finished)."""
     from satlab.studies import ladder as L
 
     ladder, rungs = spec.ladder, L.plan(spec)
@@ -288,16 +292,35 @@ def print_ladder(spec: AblationSpec) -> None:
     console.print(f"{runs} runs (per architecture: budgets x seeds at each rung); training compute "
                   f"spans {min(spans.values()):.2f} to {max(spans.values()):.2f} decades per architecture; warmup "
                   f"{ladder.warmup:g} x N tokens; each budget its own run with its own cosine schedule", soft_wrap=True)
+    remaining = ""
+    if left is not None and not left:
+        remaining = "; every run has finished"
+    elif left is not None and len(left) < runs:
+        cost = [_cell_cost(rungs, cell, cpu) for cell in left]
+        remaining = (f"; {len(left)} of {runs} runs left to run: "
+                     + (f"{_duration(sum(cost))} ({_duration(sum(cost) / 2)} with --workers 2)" if cpu
+                        else f"{sum(cost):,.0f} GPU-hours"))
     if cpu:
         seconds = sum(r.cpu_seconds() for r in rungs)
         console.print(f"CPU time: {_duration(seconds)} of one thread in all ({L.CPU_SECONDS_PER_GFLOP} s per GFLOP + "
-                      f"{L.CPU_SECONDS_PER_TOKEN:g} s per token + {L.CPU_SECONDS_PER_RUN:g} s per run, measured by "
-                      "a pilot: satlab/studies/ladder.py), "
-                      f"{_duration(seconds / 2)} with --workers 2 of one thread each", soft_wrap=True)
+                      f"{L.CPU_SECONDS_PER_TOKEN:g} s per token + {L.CPU_SECONDS_PER_RUN:g} s per run, fitted to "
+                      "ladder_cpu_tuned's runs: satlab/studies/ladder.py), "
+                      f"{_duration(seconds / 2)} with --workers 2 of one thread each{remaining}", soft_wrap=True)
     else:
         console.print(f"GPU-hours: {sum(r.gpu_hours() for r in rungs):,.0f} in all, at an ASSUMED {L.GPU_MFU:.0%} MFU "
                       f"of {L.GPU_PEAK_LABEL} (no ladder has been timed on a GPU; `satlab bench` measures the MFU "
-                      "of a size)", soft_wrap=True)
+                      f"of a size){remaining}", soft_wrap=True)
+
+
+def _cell_cost(rungs: Sequence[Rung], cell: Cell, cpu: bool) -> float:
+    """One cell's CPU seconds or GPU-hours, from its rung, architecture and tokens."""
+    from satlab.studies import ladder as L
+
+    values = cell.group_values
+    rung = next(r for r in rungs if all(values.get(k) == v for k, v in r.values.items()))
+    arch, tokens = values["model.arch"], values["train.max_tokens"]
+    return rung.run_cpu_seconds(arch, tokens) if cpu else \
+        rung.run_flops(arch, tokens) / (L.GPU_MFU * L.GPU_PEAK_FLOPS) / 3600
 
 
 def _si(value: float) -> str:

@@ -19,18 +19,19 @@ from satlab.config.schema import ExperimentConfig
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.spec import format_value
 
-CPU_SECONDS_PER_GFLOP = 0.0376
-CPU_SECONDS_PER_TOKEN = 1.18e-5
+CPU_SECONDS_PER_GFLOP = 0.0187
+CPU_SECONDS_PER_TOKEN = 1.35e-5
 """The CPU time of a run of the tiny family, fp32 on one thread of this machine: CPU_SECONDS_PER_RUN + tokens x
-CPU_SECONDS_PER_TOKEN + analytic FLOPs (:func:`satlab.models.flops_per_token`) x CPU_SECONDS_PER_GFLOP / 1e9.
-Measured by a pilot of experiments/ablations/ladder_cpu.yml's rungs 0, 3 and 4 (satformer, `satlab train` with
-OMP_NUM_THREADS=1, 20 and 400 steps of 1,024 tokens each, user + system time, on the shared 2-core machine while
-two other studies ran): the 380 steps between the two cost 7.9, 17.6 and 34.9 CPU-s at 0.22, 0.96 and 2.07 MFLOPs
-per token. A per-token term is needed: the smallest model reaches 11 GFLOP/s, the largest 23 (the per-token cost is
-Python and kernel launches, which do not shrink with the model); the fit of the two terms to rungs 0 and 4 predicts
-rung 3 at 18.7 s (measured 17.6)."""
-CPU_SECONDS_PER_RUN = 15.5
-"""Start-up, data, MLflow and the final checkpoint of one run in that pilot (its CPU time at 20 steps)."""
+CPU_SECONDS_PER_TOKEN + analytic FLOPs (:func:`satlab.models.flops_per_token`) x CPU_SECONDS_PER_GFLOP / 1e9, the
+tokens and FLOPs of training and of validation (a third of a training token each). Fitted by least squares to the
+117 runs of experiments/ablations/ladder_cpu_tuned.yml (user + system CPU time per run, two workers of one thread
+on the 2-core development machine, 2026-12-07): the fit gives its 2.88 hours exactly, each rung's total within
+8 %, and the median run within 3 %; it predicts ladder_cpu's 3.27 measured hours (the same cells at other rates,
+partly on an earlier machine and beside other work) as 2.88. The first constants (0.0376 s per GFLOP, 1.18e-5 s
+per token, 15.5 s per run) came from a pilot of three runs beside two other studies, and put both ladders at 4.8
+hours. The per-token term is Python and kernel launches, which do not shrink with the model."""
+CPU_SECONDS_PER_RUN = 6.6
+"""Start-up, data, MLflow and the final checkpoint of one run (the least-squares intercept of the fit above)."""
 GPU_PEAK_FLOPS = 989e12
 GPU_PEAK_LABEL = "H100/H200 SXM dense bf16, 989 TFLOP/s"
 GPU_MFU = 0.40
@@ -89,19 +90,25 @@ class Rung:
         """Training FLOPs of each budget's run of ``arch``."""
         return [self.sizes[arch].flops_per_token * t for t in self.tokens]
 
+    def processed(self, tokens: int) -> float:
+        """Training tokens plus validation tokens as training-token equivalents (a validation is a forward pass: a
+        third of a training step's FLOPs)."""
+        return tokens + max(1, tokens // self.val_every_tokens) * self.val_tokens / 3
+
+    def run_flops(self, arch: str, tokens: int) -> float:
+        """Training and validation FLOPs of one run of ``arch`` on ``tokens``."""
+        return self.sizes[arch].flops_per_token * self.processed(tokens)
+
+    def run_cpu_seconds(self, arch: str, tokens: int) -> float:
+        return (CPU_SECONDS_PER_RUN + self.processed(tokens) * CPU_SECONDS_PER_TOKEN
+                + self.run_flops(arch, tokens) / 1e9 * CPU_SECONDS_PER_GFLOP)
+
     def flops(self) -> float:
-        """Training and validation FLOPs of all the rung's runs (a validation is a forward pass: a third)."""
-        total = 0.0
-        for size in self.sizes.values():
-            for tokens in self.tokens:
-                validations = max(1, tokens // self.val_every_tokens)
-                total += size.flops_per_token * (tokens + validations * self.val_tokens / 3)
-        return total * self.seeds
+        """Training and validation FLOPs of all the rung's runs."""
+        return self.seeds * sum(self.run_flops(a, t) for a in self.sizes for t in self.tokens)
 
     def cpu_seconds(self) -> float:
-        tokens = sum(t + max(1, t // self.val_every_tokens) * self.val_tokens / 3 for t in self.tokens)
-        return self.runs * CPU_SECONDS_PER_RUN + (len(self.sizes) * self.seeds * tokens * CPU_SECONDS_PER_TOKEN
-                                                  + self.flops() / 1e9 * CPU_SECONDS_PER_GFLOP)
+        return self.seeds * sum(self.run_cpu_seconds(a, t) for a in self.sizes for t in self.tokens)
 
     def gpu_hours(self) -> float:
         return self.flops() / (GPU_MFU * GPU_PEAK_FLOPS) / 3600
