@@ -192,6 +192,28 @@ def test_the_dry_run_prices_the_runs_left_to_run(tmp_path: Path, capsys) -> None
     assert "every run has finished" in capsys.readouterr().out
 
 
+def test_a_fit_takes_the_fit_settings_of_the_spec_file_and_the_runs_of_the_ladder_that_ran(tmp_path: Path) -> None:
+    """`satlab ladder --fit` and `satlab report` read the spec saved with the ladder, but the ``fit:`` block of the
+    spec file now (the same study): a changed band applies to the runs as they ran; seeds the ladder never ran are
+    refused."""
+    from satlab.config.errors import ConfigError
+    from satlab.studies.lookup import with_analysis_of
+
+    stored = load_ablation(write(tmp_path, ladder_spec(tmp_path)))
+    now = load_ablation(write(tmp_path, ladder_spec(tmp_path, name="micro_ladder", fit={"band": "simultaneous"})))
+    merged = with_analysis_of(stored, now)
+    assert merged.ladder.fit.band == "simultaneous" and merged.ladder.seeds == stored.ladder.seeds == [2, 1, 1]
+    grown = load_ablation(write(tmp_path, ladder_spec(tmp_path, seeds=[2, 1, 2], fit={"backtest_seeds": [1]})))
+    with pytest.raises(ConfigError, match="must be distinct seeds of the top rung.*the ladder as it ran"):
+        with_analysis_of(stored, grown)
+    other = load_ablation(write(tmp_path, ladder_spec(tmp_path, fit={"band": "simultaneous"}, warmup=0.2)))
+    merged = with_analysis_of(stored, other)  # the same study (a ladder's design is not in its fingerprint), as run
+    assert merged.ladder.fit.band == "simultaneous" and merged.ladder.warmup == stored.ladder.warmup == 0.1
+    moved = ladder_spec(tmp_path, fit={"band": "simultaneous"})
+    moved["overrides"]["train.val_tokens"] = 512
+    assert with_analysis_of(stored, load_ablation(write(tmp_path, moved))).ladder.fit.band == "pointwise"
+
+
 def test_the_simulation_runs_the_ladders_shape_through_the_reports_claim_rule(tmp_path: Path, capsys) -> None:
     path = write(tmp_path, ladder_spec(tmp_path))
     assert satlab_main(["ladder", str(path), "--simulate", "--replicates", "2", "--sim-resamples", "3"]) == 0

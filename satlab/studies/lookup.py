@@ -3,7 +3,7 @@ file, :mod:`satlab.config.resolve`), or the name of an ablation that ran from a 
 (``satlab ablate path/to/x.yml``, then ``satlab report x``), found by its record: the Optuna study in its default
 folder (the study names its parent run and MLflow store), else a parent run of that name in the MLflow store.
 Either way the report is written from the spec saved on the parent run, the one that ran, except for its analysis
-settings (the ``lr_transfer:`` block), which a spec file of the same study may change after the run
+settings (the ``lr_transfer:`` block, a ladder's ``fit:``), which a spec file of the same study may change after the run
 (:func:`with_analysis_of`).
 """
 
@@ -61,12 +61,18 @@ def open_ablation(target: str, tracking_uri: str | None = None) -> tuple[Ablatio
 
 
 def with_analysis_of(stored: AblationSpec, current: AblationSpec) -> AblationSpec:
-    """The spec that ran, with the analysis settings of ``current`` (the spec file now) when both are the same study
-    (same fingerprint): how the report fits what ran is the report's, not the runs'. Another study's file changes
-    nothing."""
-    if stored.fingerprint() != current.fingerprint() or stored.lr_transfer == current.lr_transfer:
+    """The spec that ran, with the analysis settings of ``current`` (the spec file now: its ``lr_transfer:`` block
+    and its ladder's ``fit:``) when both are the same study (same fingerprint): how the report fits what ran is the
+    report's, not the runs'. Another study's file changes nothing."""
+    if stored.fingerprint() != current.fingerprint():
         return stored
-    return dataclasses.replace(stored, lr_transfer=current.lr_transfer)
+    merged = dataclasses.replace(stored, lr_transfer=current.lr_transfer)
+    if stored.ladder.enabled and current.ladder.enabled:
+        merged = dataclasses.replace(merged, ladder=dataclasses.replace(stored.ladder, fit=current.ladder.fit))
+        if problems := merged.ladder.backtest_seed_problems():
+            raise ConfigError([f"{p} (the ladder as it ran; the spec file's ladder.seeds differ: run the ladder to "
+                               "add the seeds, or judge seeds it ran)" for p in problems])
+    return merged
 
 
 def recorded_ablation(name: str, tracking_uri: str | None = None) -> tuple[AblationSpec, mlflow.MlflowClient, str]:
