@@ -79,7 +79,7 @@ def test_a_simultaneous_band_gives_each_of_k_runs_the_bonferroni_level() -> None
     assert run_level(0.9, 6, "simultaneous") == pytest.approx(1 - 0.1 / 6)
     assert run_level(0.9, 1, "simultaneous") == pytest.approx(0.9)
     for bad in ((0.9, 0, "simultaneous"), (0.9, 6, "joint")):
-        with pytest.raises(ValueError, match="pointwise or simultaneous"):
+        with pytest.raises(ValueError, match="one of pointwise, simultaneous"):
             run_level(*bad)
 
 

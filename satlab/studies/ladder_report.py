@@ -276,7 +276,8 @@ def ladder_section(spec: AblationSpec, groups: Sequence[GroupResult], out: Path)
 def _band_words(test: dict[str, Any], level: float) -> str:
     """What the backtest's intervals are, and how they are read."""
     seeds = test.get("seeds") or []
-    which = f"the top rung's runs of seed {', '.join(map(str, seeds))}" if seeds else "every top-rung run"
+    which = f"the top rung's runs of seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" if seeds \
+        else "every top-rung run"
     if test.get("band") == "simultaneous":
         return (f"{which} judged with a simultaneous {level * 100:g} % band: each run's interval at "
                 f"{test['run_level'] * 100:.3g} % (Bonferroni over {len(test['runs'])} runs), so that all are inside "

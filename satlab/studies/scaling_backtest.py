@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from satlab.config.ladder import BANDS
 from satlab.studies.scaling_fit import (
     CLAIM_LEVEL,
     HOFFMANN_GRID,
@@ -43,8 +44,8 @@ TAIL_VALUES = 10
 
 def run_level(level: float, judged: int, band: str = "pointwise") -> float:
     """The level of each judged run's interval: ``level`` (pointwise), or 1 - (1 - level)/judged (simultaneous)."""
-    if band not in ("pointwise", "simultaneous") or judged < 1:
-        raise ValueError(f"band must be pointwise or simultaneous and judged >= 1 (got {band!r}, {judged})")
+    if band not in BANDS or judged < 1:
+        raise ValueError(f"band must be one of {', '.join(BANDS)} and judged >= 1 (got {band!r}, {judged})")
     return level if band == "pointwise" else 1.0 - (1.0 - level) / judged
 
 
