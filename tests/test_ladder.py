@@ -184,6 +184,9 @@ def test_the_dry_run_prices_the_runs_left_to_run(tmp_path: Path, capsys) -> None
     each = {c.key: by_rung[next(r.index for r in rungs if all(c.group_values[k] == v for k, v in r.values.items()))]
             .run_cpu_seconds(c.group_values["model.arch"], c.group_values["train.max_tokens"]) for c in spec.cells()}
     assert sum(each.values()) == pytest.approx(sum(r.cpu_seconds() for r in rungs))
+    gpu = sum(L.rung_of(rungs, c.group_values).run_gpu_hours(c.group_values["model.arch"],
+                                                             c.group_values["train.max_tokens"]) for c in spec.cells())
+    assert gpu == pytest.approx(sum(r.gpu_hours() for r in rungs)) and gpu > 0
     left = [c for c in spec.cells() if c.seed == 1]
     print_ladder(spec, left)
     out = " ".join(capsys.readouterr().out.split())

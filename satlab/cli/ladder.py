@@ -314,13 +314,11 @@ def print_ladder(spec: AblationSpec, left: Sequence[Cell] | None = None) -> None
 
 def _cell_cost(rungs: Sequence[Rung], cell: Cell, cpu: bool) -> float:
     """One cell's CPU seconds or GPU-hours, from its rung, architecture and tokens."""
-    from satlab.studies import ladder as L
+    from satlab.studies.ladder import rung_of
 
     values = cell.group_values
-    rung = next(r for r in rungs if all(values.get(k) == v for k, v in r.values.items()))
-    arch, tokens = values["model.arch"], values["train.max_tokens"]
-    return rung.run_cpu_seconds(arch, tokens) if cpu else \
-        rung.run_flops(arch, tokens) / (L.GPU_MFU * L.GPU_PEAK_FLOPS) / 3600
+    rung, arch, tokens = rung_of(rungs, values), values["model.arch"], values["train.max_tokens"]
+    return rung.run_cpu_seconds(arch, tokens) if cpu else rung.run_gpu_hours(arch, tokens)
 
 
 def _si(value: float) -> str:

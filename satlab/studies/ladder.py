@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,8 +111,16 @@ class Rung:
     def cpu_seconds(self) -> float:
         return self.seeds * sum(self.run_cpu_seconds(a, t) for a in self.sizes for t in self.tokens)
 
+    def run_gpu_hours(self, arch: str, tokens: int) -> float:
+        return self.run_flops(arch, tokens) / (GPU_MFU * GPU_PEAK_FLOPS) / 3600
+
     def gpu_hours(self) -> float:
-        return self.flops() / (GPU_MFU * GPU_PEAK_FLOPS) / 3600
+        return self.seeds * sum(self.run_gpu_hours(a, t) for a in self.sizes for t in self.tokens)
+
+
+def rung_of(rungs: Sequence[Rung], values: Mapping[str, Any]) -> Rung | None:
+    """The rung whose config values a cell or group has."""
+    return next((r for r in rungs if all(values.get(k) == v for k, v in r.values.items())), None)
 
 
 def rung_overrides(values: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from satlab.studies import scaling_backtest
 from satlab.studies.ablation_claims import arch_names
 from satlab.studies.ablation_plots import save_figure
 from satlab.studies.ablation_spec import AblationSpec
-from satlab.studies.ladder import Rung, plan
+from satlab.studies.ladder import Rung, plan, rung_of
 from satlab.studies.results import GroupResult
 from satlab.studies.scaling_fit import (
     GRIDS,
@@ -39,11 +39,6 @@ from satlab.studies.scaling_fit import (
     optimal_points,
     standard_errors,
 )
-
-
-def rung_of(rungs: Sequence[Rung], values: dict[str, Any]) -> Rung | None:
-    """The rung whose config values a group has."""
-    return next((r for r in rungs if all(values.get(k) == v for k, v in r.values.items())), None)
 
 
 def ladder_runs(spec: AblationSpec, groups: Sequence[GroupResult], rungs: Sequence[Rung]) \
@@ -91,10 +86,11 @@ def backtest(spec: AblationSpec, runs: Sequence[tuple[Rung, RunPoints]], top: in
     each = scaling_backtest.run_level(fit.level, len(held), fit.band)
     intervals = scaling_backtest.predict_held_out(lower, held, noise, each, fit.huber_delta, GRIDS[fit.grid],
                                                   min(fit.resamples, scaling_backtest.BACKTEST_RESAMPLES), fit.seed)
-    rows = [{"run": run.run, "seed": run.seed, "tokens": run.D[0], "loss": run.L[0], "predicted": iv.point,
-             "lower": iv.lower, "upper": iv.upper, "inside": iv.lower <= run.L[0] <= iv.upper,
-             "side": "inside" if iv.lower <= run.L[0] <= iv.upper else "below" if run.L[0] < iv.lower else "above"}
-            for run, iv in zip(held, intervals, strict=True)]
+    rows = []
+    for run, iv in zip(held, intervals, strict=True):
+        side = "below" if run.L[0] < iv.lower else "above" if run.L[0] > iv.upper else "inside"
+        rows.append({"run": run.run, "seed": run.seed, "tokens": run.D[0], "loss": run.L[0], "predicted": iv.point,
+                     "lower": iv.lower, "upper": iv.upper, "inside": side == "inside", "side": side})
     inside = sum(r["inside"] for r in rows)
     return {"rung": top, "fitted_runs": len(lower), "noise_sd": noise, "band": fit.band, "run_level": each,
             "seeds": sorted({r["seed"] for r in rows if r["seed"] is not None}), "runs": rows, "inside": inside,
