@@ -31,13 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", metavar="URL",
                         help="Optuna storage of the grid (default sqlite:///<out_dir>/optuna.db); the same "
                              "postgresql://user:password@host/db on several hosts makes them share the cells")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the grid and what the study records of each cell; run nothing")
+    mode = parser.add_mutually_exclusive_group()  # each runs nothing but itself: two at once is refused (exit 2)
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print the grid and what the study records of each cell; run nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
-    parser.add_argument("--simulate", type=int, metavar="N",
-                        help="run nothing: check the spec's sequential plan on N simulated null studies per rule "
-                             "(its family-wise error against the naive re-test at 0.05) and its power and seeds "
-                             "against a fixed-n test (docs/studies.md)")
+    mode.add_argument("--simulate", type=int, metavar="N",
+                      help="run nothing: check the spec's sequential plan on N simulated null studies per rule "
+                           "(its family-wise error against the naive re-test at 0.05) and its power and seeds "
+                           "against a fixed-n test (docs/studies.md)")
+    mode.add_argument("--simulate-transfer", type=int, metavar="N",
+                      help="run nothing: how often the LR-transfer verdict passes, on N simulated studies per "
+                           "series, scenario and seed count, drawn from this finished study's curves and seed noise "
+                           "and judged by the report's own analysis (docs/lr-transfer.md)")
+    parser.add_argument("--seeds-per-point", default="3,6,12,24", metavar="LIST",
+                        help="--simulate-transfer: the seeds per learning rate and shape to simulate (default "
+                             "3,6,12,24)")
+    parser.add_argument("--drifts", default="0.5,0.75,1", metavar="LIST",
+                        help="--simulate-transfer: true drifts of the optimum, octaves per 8x of width or depth "
+                             "(default 0.5,0.75,1)")
     parser.add_argument("--sigma", type=float, default=SIGMA,
                         help=f"--simulate: std of a paired difference, the measure's units (default {SIGMA}: "
                              "SATFormer vs ResFormer in arch_tiny, docs/results/2026-12-01-arch-tiny.md)")
@@ -52,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     spec = load_ablation(args.spec, args.overrides)
     if args.simulate is not None:
         return simulate(spec, args.simulate, args.sigma, read_differences(args.differences))
+    if args.simulate_transfer is not None:
+        return simulate_transfer(spec, args.spec, args.simulate_transfer, args.seeds_per_point, args.drifts,
+                                 args.overrides)
     if args.dry_run:
         if problems := spec.sequential.seed_problems(spec.axes, spec.seed_key):
             raise ConfigError(problems)
@@ -212,3 +226,59 @@ def simulate(spec: AblationSpec, studies: int, sigma: float, observed: list[floa
                       f"{row.sequential.seeds:.2f}", row.fixed.text(), str(plan.schedule[-1]))
     console.print(power)
     return 1 if any(e.rate > plan.alpha + 2 * e.mcse for k, e in null.items() if k.startswith("plan")) else 0
+
+
+def numbers(option: str, text: str, kind: type, low: float, high: float) -> list:
+    """The comma-separated list ``text`` of ``option``, each a ``kind`` within [low, high]."""
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(low <= v <= high for v in values):
+        raise ConfigError(f"{option} must be a comma-separated list of {kind.__name__}s from {low:g} to {high:g}, "
+                          f"got {shown(text)}")
+    return values
+
+
+def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_text: str, drifts_text: str,
+                      overrides: list[str]) -> int:
+    """The LR-transfer verdict's pass rate per series, scenario and seed count (satlab.studies.lr_transfer_sim),
+    on simulated studies drawn from the finished study ``target``; one table per series."""
+    from satlab.studies.lookup import open_ablation
+    from satlab.studies.lr_transfer_sim import pass_rate, scenario_names, truths
+    from satlab.studies.results import collect, measures_for
+
+    problems = [] if spec.lr_transfer.enabled else [
+        f"ablation '{spec.name}' has no lr_transfer: block, so there is no transfer verdict to simulate: give it "
+        "one (lr_key, width_keys, depth_keys, base; docs/lr-transfer.md)"]
+    if replicates < 2:
+        problems.append(f"--simulate-transfer must be at least 2 simulated studies, got {replicates}")
+    if overrides:
+        problems.append(f"--simulate-transfer takes the finished study as it ran, so key=value overrides "
+                        f"({' '.join(overrides)}) are refused: they would describe another study")
+    if problems:
+        raise ConfigError(problems)
+    seeds = numbers("--seeds-per-point", seeds_text, int, 2, 1000)
+    drifts = numbers("--drifts", drifts_text, float, -4, 4)
+    spec, client, parent_run_id = open_ablation(target)
+    series = truths(spec, collect(spec, client, parent_run_id, measures_for(spec)))
+    if not series:
+        raise ConfigError(f"ablation '{spec.name}' has no series with a base-shape optimum among its finished runs "
+                          "to take the truth from: finish the base shape's learning rates first")
+    console, plan = make_console(), spec.lr_transfer
+    for truth in series:
+        noise = ", ".join(f"{v:.3f}" for v in truth.noise.values())
+        table = Table(title=f"'{spec.name}', {truth.label}: share of {replicates} simulated studies whose verdict is "
+                            f"\"transfers\" (every {plan.level:g} interval within ±{plan.tolerance:g} octave of the "
+                            f"base optimum, fit {plan.fit}); seed noise by learning rate {noise}")
+        table.add_column("truth")
+        for n in seeds:
+            table.add_column(f"{n} seeds a point", justify="right")
+        for scenario in scenario_names(drifts):
+            table.add_row(scenario, *(pass_rate(spec, truth, scenario, n, replicates, plan.seed).text()
+                                      for n in seeds))
+        console.print(table)
+    print("identical: every shape's truth is the base's curve; aligned: each shape's own curve with its estimated "
+          "drift removed; drift D: the base's curve moved D octaves per 8x of width or depth; measured: the curves "
+          "as measured. The rates are Monte Carlo estimates (± their standard errors).")
+    return 0

@@ -53,21 +53,32 @@ def optimum_text(o: Optimum) -> str:
     return f"{o.lr:.2e} {interval}" if o.status == INTERIOR else f"{o.status} {interval}"
 
 
+def series_values(spec: AblationSpec, group: GroupResult) -> dict[str, Any]:
+    """The group's values on the axes that split cells into series: every axis but the learning rate, the shape
+    keys and the seed."""
+    plan = spec.lr_transfer
+    return {k: group.values[k] for k in spec.group_axes() if k != plan.lr_key and k not in plan.shape_keys}
+
+
+def series_and_shape(spec: AblationSpec, group: GroupResult) -> tuple[str, str]:
+    """The labels of the series and of the shape a group belongs to."""
+    return series_label(series_values(spec, group)), shape_label(group.values, spec.lr_transfer.shape_keys)
+
+
 def analyse(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
     """Per series: its shapes' optima by the plan's fit (with the points they were fitted to) and the verdict; a
     shape with fewer than three learning rates with a finished cell is left out. With the local fit, also the
     all-points fit's optima and verdict (``everywhere``), for comparison and its lack-of-fit test."""
     plan = spec.lr_transfer
     keys = plan.shape_keys
-    others = [k for k in spec.group_axes() if k != plan.lr_key and k not in keys]
     found: dict[str, dict[str, Any]] = {}
     for group in groups:
         losses = group.samples("val_loss")
         if not losses:
             continue
-        series = found.setdefault(series_label({k: group.values[k] for k in others}),
-                                  {"values": {k: group.values[k] for k in others}, "shapes": {}})
-        shape = series["shapes"].setdefault(shape_label(group.values, keys),
+        series_name, shape_name = series_and_shape(spec, group)
+        series = found.setdefault(series_name, {"values": series_values(spec, group), "shapes": {}})
+        shape = series["shapes"].setdefault(shape_name,
                                             {"values": {k: group.values[k] for k in keys}, "points": {},
                                              "params": group.params})
         shape["points"][float(group.values[plan.lr_key])] = losses
