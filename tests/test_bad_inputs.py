@@ -450,6 +450,13 @@ ABLATE_CASES = [
      ["seed axis train.seed lists 3 seed(s)"]),
     ("simulate without a plan", ["--simulate", "200"], ["has no sequential plan", "looks: [3, 5, 8, 12, 20]"]),
     ("simulate too few studies", ["sequential.looks=[3,5,8]", "--simulate", "10"], ["at least 100 studies, got 10"]),
+    ("simulate-transfer without an lr_transfer block", ["--simulate-transfer", "20"],
+     ["has no lr_transfer: block, so there is no transfer verdict to simulate"]),
+    ("simulate-transfer of one study", ["--simulate-transfer", "1"], ["at least 2 simulated studies, got 1"]),
+    ("simulate-transfer of one seed a point", ["--simulate-transfer", "20", "--seeds-per-point", "3,1"],
+     ["--seeds-per-point must be a comma-separated list of ints from 2 to 1000, got '3,1'"]),
+    ("simulate-transfer with a drift that is no number", ["--simulate-transfer", "20", "--drifts", "0.5,far"],
+     ["--drifts must be a comma-separated list of floats from -4 to 4, got '0.5,far'"]),
     *STORAGE_CASES,
 ]
 

@@ -1,9 +1,11 @@
 """The learning-rate transfer analysis: the quadratic fit against NIST's certified Pontius values, the bootstrap
 interval's coverage on synthetic curves of a known optimum (and two controls where it must not cover), the report
-section on synthetic finished results, and the spec's ``grids`` and ``lr_transfer`` validation."""
+section on synthetic finished results, the spec's ``grids`` and ``lr_transfer`` validation, and the simulation of
+the verdict's pass rate (its null passes, its drifts and a noise as large as the curves fail)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -29,6 +31,16 @@ from satlab.studies.lr_transfer import (
     series_verdict,
 )
 from satlab.studies.lr_transfer_report import lr_transfer_section, wider_is_better, wider_text
+from satlab.studies.lr_transfer_sim import (
+    ALIGNED,
+    IDENTICAL,
+    MEASURED,
+    Curve,
+    noise_free_optimum,
+    pass_rate,
+    true_means,
+    truths,
+)
 from satlab.studies.results import CellResult, GroupResult
 
 PONTIUS = Path(__file__).parent / "data" / "pontius.dat"
@@ -385,3 +397,78 @@ def test_the_report_sets_each_optimum_beside_an_earlier_studys(tmp_path: Path) -
     plan["compare_with"] = str(tmp_path / "nowhere")
     lines, summary, _ = lr_transfer_section(transfer_spec(lr_transfer=plan), now, tmp_path)
     assert "Not compared: " in "\n".join(lines) and "error" in summary["compared_with"]
+
+
+def test_a_curve_runs_through_the_means_and_straight_beyond_them() -> None:
+    curve = Curve.through([0.0, 1.0, 2.0, 3.0], [3.0, 1.0, 0.0, 1.0])
+    assert curve(np.array([0.0, 1.0, 2.0, 3.0])) == pytest.approx([3.0, 1.0, 0.0, 1.0])
+    above, below = curve(np.array([3.0, 4.0, 5.0])), curve(np.array([-2.0, -1.0, 0.0]))
+    assert above[2] - above[1] == pytest.approx(above[1] - above[0]) and above[1] > above[0]
+    assert below[1] - below[0] == pytest.approx(below[2] - below[1]) and below[0] > below[2]
+
+
+def simulated_study(optimum_of: dict[tuple[int, int], float]) -> tuple[AblationSpec, list[GroupResult]]:
+    spec = transfer_spec(lr_transfer={"lr_key": "optim.lr", "width_keys": ["model.d_model"],
+                                      "depth_keys": ["model.n_layers"], "fit": "local",
+                                      "base": {"model.d_model": 32, "model.n_layers": 2}})
+    return spec, finished_groups(spec, optimum_of)
+
+
+def test_a_finished_study_becomes_the_simulations_truth() -> None:
+    spec, groups = simulated_study({(32, 2): -9.0, (64, 2): -8.5, (128, 2): -9.0, (32, 4): -9.0})
+    [truth] = truths(spec, groups)
+    assert truth.base == "d_model=32 n_layers=2"
+    assert truth.steps == {"d_model=32 n_layers=2": 0.0, "d_model=64 n_layers=2": 1.0,
+                           "d_model=128 n_layers=2": 2.0, "d_model=32 n_layers=4": 1.0}
+    assert all(0.003 < sd < 0.02 for sd in truth.noise.values())  # the study's seed noise is 0.01
+    levels = np.log2(LRS)
+    moved = "d_model=64 n_layers=2"
+    assert truth.alignment[moved] == pytest.approx(0.5, abs=0.06)  # its optimum 0.5 octave above the base's
+    base = noise_free_optimum("local", levels, true_means(truth, IDENTICAL, truth.base, levels))
+    for scenario, expected in ((ALIGNED, base), (MEASURED, base + 0.5), ("drift 1.5", base + 0.5)):
+        assert noise_free_optimum("local", levels, true_means(truth, scenario, moved, levels)) == pytest.approx(
+            expected, abs=0.06), scenario
+
+
+def test_the_verdicts_pass_rate_under_the_null_and_its_negative_controls() -> None:
+    spec, groups = simulated_study({(32, 2): -9.0, (64, 2): -8.0, (128, 2): -9.0, (32, 4): -9.0})
+    [truth] = truths(spec, groups)
+    assert pass_rate(spec, truth, IDENTICAL, 3, 30).rate >= 0.9  # steep curves, little noise: the null passes
+    assert pass_rate(spec, truth, ALIGNED, 3, 30).rate >= 0.9
+    assert pass_rate(spec, truth, "drift 3", 3, 30).rate == 0  # the widest 2 octaves off: never "transfers"
+    assert pass_rate(spec, truth, MEASURED, 3, 30).rate == 0  # d 64 is 1 octave off in the study itself
+    noisy = dataclasses.replace(truth, noise={lr: 0.5 for lr in truth.noise})
+    assert pass_rate(spec, noisy, IDENTICAL, 3, 30).rate <= 0.2  # noise as large as the curve: the null fails too
+    rate = pass_rate(spec, truth, IDENTICAL, 3, 30)
+    assert rate.text() == f"{rate.rate:.2f} ± {rate.mc_se:.2f}"
+
+
+def test_the_transfer_simulation_command(tmp_path: Path, monkeypatch, capsys) -> None:
+    spec, groups = simulated_study({(32, 2): -9.0, (64, 2): -9.0, (128, 2): -9.0, (32, 4): -9.0})
+    monkeypatch.setattr("satlab.studies.lookup.open_ablation", lambda target: (spec, None, "parent"))
+    monkeypatch.setattr("satlab.studies.results.collect", lambda *args: groups)
+    monkeypatch.setattr("satlab.cli.ablate.load_ablation", lambda *args: spec)
+    assert main(["ablate", "t", "--simulate-transfer", "4", "--seeds-per-point", "2,3", "--drifts", "1"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "share of 4 simulated studies whose verdict is \"transfers\"" in printed
+    for row in ("identical", "aligned", "drift 1", "measured", "2 seeds a point", "3 seeds a point"):
+        assert row in printed
+    monkeypatch.setattr("satlab.studies.results.collect", lambda *args: [])
+    assert main(["ablate", "t", "--simulate-transfer", "4"]) == 2
+    assert "no series with a base-shape optimum among its finished runs" in capsys.readouterr().err
+
+
+def test_the_transfer_simulation_of_a_study_that_never_ran_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "out_dir": str(tmp_path / "out"),
+                                    "overrides": {"tracking.uri": f"sqlite:///{tmp_path / 'mlruns' / 'x.db'}"},
+                                    "axes": {"optim.lr": LRS[:4], "model.d_model": [32, 64], "train.seed": [0, 1]},
+                                    "lr_transfer": {"lr_key": "optim.lr", "depth_keys": [],
+                                                    "base": {"model.d_model": 32}}}))
+    assert main(["ablate", str(path), "--simulate-transfer", "5"]) == 2
+    assert "no runs of ablation 't'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.yaml"]
+    with pytest.raises(SystemExit) as stop:
+        main(["ablate", str(path), "--dry-run", "--simulate-transfer", "5"])
+    assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

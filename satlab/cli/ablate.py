@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate is not None:
         return simulate(spec, args.simulate, args.sigma, read_differences(args.differences))
     if args.simulate_transfer is not None:
-        return simulate_transfer(spec, args.spec, args.simulate_transfer, args.seeds_per_point, args.drifts,
-                                 args.overrides)
+        return simulate_transfer(spec, args.spec, args.simulate_transfer, args.seeds_per_point, args.drifts)
     if args.dry_run:
         if problems := spec.sequential.seed_problems(spec.axes, spec.seed_key):
             raise ConfigError(problems)
@@ -228,22 +227,23 @@ def simulate(spec: AblationSpec, studies: int, sigma: float, observed: list[floa
     return 1 if any(e.rate > plan.alpha + 2 * e.mcse for k, e in null.items() if k.startswith("plan")) else 0
 
 
-def numbers(option: str, text: str, kind: type, low: float, high: float) -> list:
-    """The comma-separated list ``text`` of ``option``, each a ``kind`` within [low, high]."""
+def numbers(option: str, text: str, kind: type, low: float, high: float, problems: list[str]) -> list:
+    """The comma-separated list ``text`` of ``option``, each a ``kind`` within [low, high]; else [] and a problem."""
     try:
         values = [kind(v) for v in text.split(",")]
     except ValueError:
         values = []
     if not values or not all(low <= v <= high for v in values):
-        raise ConfigError(f"{option} must be a comma-separated list of {kind.__name__}s from {low:g} to {high:g}, "
-                          f"got {shown(text)}")
+        problems.append(f"{option} must be a comma-separated list of {kind.__name__}s from {low:g} to {high:g}, "
+                        f"got {shown(text)}")
+        return []
     return values
 
 
-def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_text: str, drifts_text: str,
-                      overrides: list[str]) -> int:
+def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_text: str, drifts_text: str) -> int:
     """The LR-transfer verdict's pass rate per series, scenario and seed count (satlab.studies.lr_transfer_sim),
-    on simulated studies drawn from the finished study ``target``; one table per series."""
+    on simulated studies drawn from the finished study ``target`` (as it ran, with the spec file's analysis
+    settings, as `satlab report` reads it); one table per series."""
     from satlab.studies.lookup import open_ablation
     from satlab.studies.lr_transfer_sim import pass_rate, scenario_names, truths
     from satlab.studies.results import collect, measures_for
@@ -253,13 +253,10 @@ def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_te
         "one (lr_key, width_keys, depth_keys, base; docs/lr-transfer.md)"]
     if replicates < 2:
         problems.append(f"--simulate-transfer must be at least 2 simulated studies, got {replicates}")
-    if overrides:
-        problems.append(f"--simulate-transfer takes the finished study as it ran, so key=value overrides "
-                        f"({' '.join(overrides)}) are refused: they would describe another study")
+    seeds = numbers("--seeds-per-point", seeds_text, int, 2, 1000, problems)
+    drifts = numbers("--drifts", drifts_text, float, -4, 4, problems)
     if problems:
         raise ConfigError(problems)
-    seeds = numbers("--seeds-per-point", seeds_text, int, 2, 1000)
-    drifts = numbers("--drifts", drifts_text, float, -4, 4)
     spec, client, parent_run_id = open_ablation(target)
     series = truths(spec, collect(spec, client, parent_run_id, measures_for(spec)))
     if not series:
