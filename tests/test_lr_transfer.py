@@ -428,6 +428,11 @@ def test_a_finished_study_becomes_the_simulations_truth() -> None:
     for scenario, expected in ((ALIGNED, base), (MEASURED, base + 0.5), ("drift 1.5", base + 0.5)):
         assert noise_free_optimum("local", levels, true_means(truth, scenario, moved, levels)) == pytest.approx(
             expected, abs=0.06), scenario
+    for group in groups:  # one seed left at the smallest learning rate of every shape: its noise is unknown
+        if group.values["optim.lr"] == LRS[0]:
+            del group.cells[1:]
+    with pytest.raises(ConfigError, match=r"one finished seed per shape at learning rate\(s\) 0.00012207"):
+        truths(spec, groups)
 
 
 def test_the_verdicts_pass_rate_under_the_null_and_its_negative_controls() -> None:

@@ -275,7 +275,8 @@ def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_te
             table.add_row(scenario, *(pass_rate(spec, truth, scenario, n, replicates, plan.seed).text()
                                       for n in seeds))
         console.print(table)
-    print("identical: every shape's truth is the base's curve; aligned: each shape's own curve with its estimated "
-          "drift removed; drift D: the base's curve moved D octaves per 8x of width or depth; measured: the curves "
-          "as measured. The rates are Monte Carlo estimates (± their standard errors).")
+    print("identical: every shape's truth is the base's curve; aligned: each shape's own curve, moved until the "
+          "report's fit of its noise-free means finds the base's optimum; drift D: the base's curve moved D octaves "
+          "per 8x of width or depth; measured: the curves as measured. The rates are Monte Carlo estimates (± their "
+          "standard errors).")
     return 0

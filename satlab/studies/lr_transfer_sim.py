@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.interpolate import CubicSpline
 
+from satlab.config.errors import ConfigError
 from satlab.studies.ablation_spec import AblationSpec
 from satlab.studies.lr_transfer import fit_quadratic, local_vertex
 from satlab.studies.lr_transfer_report import analyse, series_and_shape
@@ -63,15 +64,13 @@ class Curve:
 
 @dataclass(frozen=True)
 class SeriesTruth:
-    """One series of a finished study as the simulation's truth: per shape its curve, its estimated optimum (the
-    report's, log2; None where it found none), its size step (log2 of its width or depth over the base's), and its
-    real groups by learning rate (their axis values and parameter counts are the synthetic groups'), and its
-    ``aligned`` move; per learning rate the seed noise pooled over the shapes."""
+    """One series of a finished study as the simulation's truth: per shape its curve, its size step (log2 of its
+    width or depth over the base's), its real groups by learning rate (their axis values and parameter counts are
+    the synthetic groups') and its ``aligned`` move; per learning rate the seed noise pooled over the shapes."""
 
     label: str
     base: str
     curves: dict[str, Curve]
-    estimated: dict[str, float | None]
     steps: dict[str, float]
     groups: dict[str, dict[float, GroupResult]]
     noise: dict[float, float]
@@ -100,7 +99,8 @@ def scenario_names(drifts: Sequence[float]) -> list[str]:
 
 
 def truths(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[SeriesTruth]:
-    """Each series of the finished ``groups`` (with a base optimum) as a :class:`SeriesTruth`."""
+    """Each series of the finished ``groups`` (with a base optimum) as a :class:`SeriesTruth`; a series without two
+    seeds at some shape of every learning rate is refused (its noise would be unknown)."""
     plan = spec.lr_transfer
     by_series: dict[str, dict[str, dict[float, GroupResult]]] = {}
     for group in groups:
@@ -122,11 +122,14 @@ def truths(spec: AblationSpec, groups: Sequence[GroupResult]) -> list[SeriesTrut
                 values = np.array(group.samples("val_loss"))
                 deviations.setdefault(lr, []).append(float(((values - values.mean()) ** 2).sum()))
                 dof[lr] = dof.get(lr, 0) + values.size - 1
-        noise = {lr: math.sqrt(sum(deviations[lr]) / dof[lr]) if dof[lr] else 0.0 for lr in sorted(deviations)}
+        if unreplicated := [f"{lr:g}" for lr in sorted(dof) if dof[lr] == 0]:
+            raise ConfigError(f"series {entry['label']} has one finished seed per shape at learning rate(s) "
+                              f"{', '.join(unreplicated)}, so its seed noise there is unknown: the simulation needs "
+                              "two seeds or more at some shape of every learning rate")
+        noise = {lr: math.sqrt(sum(deviations[lr]) / dof[lr]) for lr in sorted(deviations)}
         levels = {name: np.log2(sorted(at)) for name, at in shapes.items()}
         target = noise_free_optimum(plan.fit, levels[entry["base"]], curves[entry["base"]](levels[entry["base"]]))
         out.append(SeriesTruth(entry["label"], entry["base"], curves,
-                               {name: o.log2_lr for name, o in entry["optima"].items()},
                                {name: size_step(spec, entry["shapes"][name]["values"]) for name in shapes},
                                shapes, noise,
                                {name: alignment(plan.fit, levels[name], curves[name], target) for name in shapes}))
