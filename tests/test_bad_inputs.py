@@ -454,9 +454,9 @@ ABLATE_CASES = [
      ["has no lr_transfer: block, so there is no transfer verdict to simulate"]),
     ("simulate-transfer of one study", ["--simulate-transfer", "1"], ["at least 2 simulated studies, got 1"]),
     ("simulate-transfer of one seed a point", ["--simulate-transfer", "20", "--seeds-per-point", "3,1"],
-     ["--seeds-per-point must be a comma-separated list of ints from 2 to 1000, got '3,1'"]),
+     ["--seeds-per-point takes comma-separated integers from 2 to 1000, e.g. 3,6,12,24; got '3,1'"]),
     ("simulate-transfer with a drift that is no number", ["--simulate-transfer", "20", "--drifts", "0.5,far"],
-     ["--drifts must be a comma-separated list of floats from -4 to 4, got '0.5,far'"]),
+     ["--drifts takes comma-separated numbers from -4 to 4, e.g. 0.5,0.75,1; got '0.5,far'"]),
     *STORAGE_CASES,
 ]
 

@@ -163,7 +163,7 @@ def test_a_bad_compare_is_refused_with_what_is_valid(compare, message, tmp_path,
 @pytest.mark.parametrize("depths", ["6,x", "0,12", ","])
 def test_bad_depths_are_refused_with_what_is_valid(depths, tmp_path, capsys):
     assert main(["bench", "--depths", depths, "--no-mlflow", "--out", str(tmp_path / "b.json")]) == 2
-    assert "--depths takes comma-separated layer counts >= 1" in capsys.readouterr().err
+    assert "--depths takes comma-separated integers >= 1, e.g. 6,12,24" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
 
 

@@ -7,6 +7,7 @@ import math
 
 from rich.table import Table
 
+from satlab.cli.numbers import number_list
 from satlab.config.errors import EXIT_REQUEUE, ConfigError, shown
 from satlab.console import console as make_console
 from satlab.studies.ablation_spec import AblationSpec
@@ -227,19 +228,6 @@ def simulate(spec: AblationSpec, studies: int, sigma: float, observed: list[floa
     return 1 if any(e.rate > plan.alpha + 2 * e.mcse for k, e in null.items() if k.startswith("plan")) else 0
 
 
-def numbers(option: str, text: str, kind: type, low: float, high: float, problems: list[str]) -> list:
-    """The comma-separated list ``text`` of ``option``, each a ``kind`` within [low, high]; else [] and a problem."""
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(low <= v <= high for v in values):
-        problems.append(f"{option} must be a comma-separated list of {kind.__name__}s from {low:g} to {high:g}, "
-                        f"got {shown(text)}")
-        return []
-    return values
-
-
 def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_text: str, drifts_text: str) -> int:
     """The LR-transfer verdict's pass rate per series, scenario and seed count (satlab.studies.lr_transfer_sim),
     on simulated studies drawn from the finished study ``target`` (as it ran, with the spec file's analysis
@@ -253,8 +241,8 @@ def simulate_transfer(spec: AblationSpec, target: str, replicates: int, seeds_te
         "one (lr_key, width_keys, depth_keys, base; docs/lr-transfer.md)"]
     if replicates < 2:
         problems.append(f"--simulate-transfer must be at least 2 simulated studies, got {replicates}")
-    seeds = numbers("--seeds-per-point", seeds_text, int, 2, 1000, problems)
-    drifts = numbers("--drifts", drifts_text, float, -4, 4, problems)
+    seeds = number_list("--seeds-per-point", seeds_text, problems, example="3,6,12,24", low=2, high=1000)
+    drifts = number_list("--drifts", drifts_text, problems, example="0.5,0.75,1", kind=float, low=-4, high=4)
     if problems:
         raise ConfigError(problems)
     spec, client, parent_run_id = open_ablation(target)

@@ -12,6 +12,7 @@ import yaml
 from rich.table import Table
 
 from satlab.cli.devices import device_problem
+from satlab.cli.numbers import number_list
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.config.model import SIZE_PRESETS
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                ("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1)):
         if value is not None and value < least:  # --batch and --seq-len: None is the default
             problems.append(f"{name} must be >= {least}, got {value}")
-    depths = parse_counts(args.depths, problems)
+    depths = sorted(set(number_list("--depths", args.depths, problems, example="6,12,24"))) if args.depths else []
     compare = parse_compare(args.compare, problems)
     model = parse_model_fields(args.model, problems)
     if args.census and compare is None:
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         "--compare parametrization=sp,completep")
     if problem := device_problem(args.device, "--device"):
         problems.append(problem)
-    procs = parse_counts(args.procs, problems, "--procs", "process counts") if args.data else []
+    procs = sorted(set(number_list("--procs", args.procs, problems, example="1,2"))) if args.data and args.procs else []
     if args.data and args.repeats < 1:
         problems.append(f"--repeats must be >= 1, got {args.repeats}")
     if args.data and args.documents < 100:
@@ -359,21 +360,6 @@ def overhead_line(overhead: dict) -> str:
     return (f"Lightning / bare PyTorch loop step time, same work: {overhead['ratio']:.3f} "
             f"[{overhead['low']:.3f}, {overhead['high']:.3f}] over {overhead['rounds']} paired rounds "
             f"({1e3 * overhead['lightning_step_s']:.1f} ms vs {1e3 * overhead['bare_step_s']:.1f} ms)")
-
-
-def parse_counts(text: str | None, problems: list[str], option: str = "--depths", what: str = "layer counts",
-                 example: str = "6,12,24") -> list[int]:
-    """``--depths 6,12,24`` (or ``--procs 1,2``) as positive integers; anything else goes to ``problems``."""
-    if not text:
-        return []
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        problems.append(f"{option} takes comma-separated {what} >= 1 (e.g. {example}), got {shown(text)}")
-        return []
-    return sorted(set(values))
 
 
 def depth_table(sweep: dict, overheads: dict, args) -> Table:

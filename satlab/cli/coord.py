@@ -23,6 +23,7 @@ from satlab.bench.coord_settings import (
     display_name,
     shapes,
 )
+from satlab.cli.numbers import number_list
 from satlab.config.archs import ARCH_SPECS
 from satlab.config.errors import ConfigError, shown, unknown_name
 from satlab.config.model import SIZE_PRESETS
@@ -69,31 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="further config overrides for every model, e.g. optim.lr=1e-2")
 
 
-def sizes(text: str, option: str, problems: list[str], multiple: int = 1) -> list[int]:
-    """``--widths 64,128`` as distinct sorted integers >= 1 (multiples of ``multiple``), at least two of them for a
-    slope; anything else goes to ``problems``."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        values = []
-    rule = f"comma-separated integers >= {multiple}" + (f", multiples of the head dim {multiple}" if multiple > 1
-                                                        else "")
-    if len(values) < 2 or any(v < 1 or v % multiple for v in values):
-        problems.append(f"{option} takes at least two distinct {rule} (a slope needs two sizes), got {shown(text)}")
-        return []
-    return values
-
-
-def seed_list(text: str, problems: list[str]) -> list[int]:
-    """``--seeds`` as distinct non-negative integers (a problem added otherwise)."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items or not all(item.isdigit() for item in items) or len(set(map(int, items))) < len(items):
-        problems.append(f"--seeds takes distinct non-negative integers separated by commas, e.g. 0,1,2; got "
-                        f"{shown(text)}")
-        return []
-    return [int(item) for item in items]
-
-
 def settings_of(args: argparse.Namespace) -> CoordSettings:
     """The check's settings from the command line, every shape's config built (so a bad override, or a
     parametrisation the config does not know, is refused before anything runs); raises ConfigError."""
@@ -114,9 +90,11 @@ def settings_of(args: argparse.Namespace) -> CoordSettings:
         problems.append(f"--archs names no architecture; valid: all or a list of {', '.join(ARCH_SPECS)}")
     if args.head_dim < 2 or args.head_dim % 2:
         problems.append(f"--head-dim must be an even integer >= 2 (RoPE rotates pairs), got {args.head_dim}")
-    widths = sizes(args.widths, "--widths", problems, max(2, args.head_dim))
-    depths = sizes(args.depths, "--depths", problems)
-    seeds = seed_list(args.seeds, problems)
+    widths = sorted(set(number_list("--widths", args.widths, problems, example="64,128,256", at_least=2,
+                                    multiple=max(2, args.head_dim), why="two for a slope, whole heads of --head-dim")))
+    depths = sorted(set(number_list("--depths", args.depths, problems, example="2,4,8", at_least=2,
+                                    why="a slope needs two")))
+    seeds = number_list("--seeds", args.seeds, problems, example="0,1,2", low=0, distinct=True)
     if not FIRST_CHECKED_STEP <= args.steps <= 1000:
         problems.append(f"--steps must be in [{FIRST_CHECKED_STEP}, 1000] (the verdict reads steps "
                         f"{FIRST_CHECKED_STEP} on, and the check looks at the first steps), got {args.steps}")
